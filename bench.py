@@ -1,0 +1,148 @@
+"""
+Speed and memory of ChaCAL against standard attention, as ratios measured in one run.
+
+    python bench.py            # full sizes on a GPU; small sizes on a CPU
+    python bench.py --small    # the small sizes anywhere (a minute on a laptop)
+
+Three tables:
+1. the attention core alone (forward + backward), standard (fused SDPA) vs ChaCAL (triangular
+   solve), at growing sequence lengths with the number of tokens per batch held fixed;
+2. a whole one-layer model's training step (forward, backward, AdamW), same lengths;
+3. decoding tokens/s: standard with its KV cache, ChaCAL with its mixed-value cache, and ChaCAL
+   re-solving the whole prefix for every token (what decoding would cost without the cache).
+
+Peak memory is reported on CUDA only (PyTorch tracks no CPU peak).
+"""
+
+import argparse
+import time
+
+import torch
+
+from attention import chacal_attention
+from model import GPT, GPTConfig
+from train import pick_device
+
+import torch.nn.functional as F
+
+
+def timed(fn, device, repeats):
+    """Median seconds of fn() over `repeats` runs after two warm-up runs, and peak memory (MiB)."""
+    for _ in range(2):
+        fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
+    return sorted(times)[len(times) // 2], peak
+
+
+def bench_core(T, tokens, n_head, head_size, dtype, device, repeats):
+    B = max(1, tokens // T)
+    shape = (B, n_head, T, head_size)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def standard():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    def chacal():
+        chacal_attention(q, k, v, 0.9).sum().backward()
+
+    return timed(standard, device, repeats), timed(chacal, device, repeats)
+
+
+def bench_model_step(T, tokens, size, dtype, device, repeats):
+    B = max(1, tokens // T)
+    results = []
+    for attn in ["standard", "chacal"]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randint(0, 128, (B, T), device=device)
+
+        def step():
+            with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+                _, loss = model(x, x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        results.append(timed(step, device, repeats))
+        del model, optimizer
+    return results
+
+
+def bench_decode(T, batch, size, dtype, device):
+    """Tokens/s generating T - 1 tokens after a 1-token prompt."""
+    results = []
+    for attn, use_cache in [("standard", True), ("chacal", True), ("chacal", False)]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size))
+        model = model.to(device).eval()
+        prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+
+        def decode():
+            with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
+                model.generate(prompt, T - 1, temperature=0, use_cache=use_cache)
+
+        seconds, _ = timed(decode, device, repeats=3)
+        results.append(batch * (T - 1) / seconds)
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                        help="auto picks cuda, then mps, then cpu")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    args = parser.parse_args()
+    try:
+        device = pick_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
+    full = device == "cuda" and not args.small
+    if full:  # the paper's toy size (d 512, 8 heads, batch 128 x 128 tokens) and longer
+        lengths, tokens, size = [128, 512, 1024, 2048, 4096], 128 * 128, dict(n_embd=512, n_head=8)
+        decode_lengths, decode_batch = [128, 512, 1024, 2048], 8
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    else:  # the laptop default of train.py
+        lengths, tokens, size = [128, 256, 512], 64 * 128, dict(n_embd=128, n_head=4)
+        decode_lengths, decode_batch = [128, 256], 4
+        dtype = torch.float32
+    head_size = size["n_embd"] // size["n_head"]
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(f"device {name}, torch {torch.__version__}, {str(dtype).split('.')[-1]}, "
+          f"d {size['n_embd']}, {size['n_head']} heads, {tokens} tokens per batch, "
+          f"median of {args.repeats}")
+
+    def row(T, std, cha):
+        (t_std, m_std), (t_cha, m_cha) = std, cha
+        return (f"{T:>6} {t_std * 1e3:>10.2f} {t_cha * 1e3:>10.2f} {t_cha / t_std:>7.2f}x"
+                f" {m_std:>10.0f} {m_cha:>10.0f} {m_cha / m_std:>7.2f}x")
+
+    header = f"{'T':>6} {'std ms':>10} {'chacal ms':>10} {'ratio':>8} {'std MiB':>10} {'cha MiB':>10} {'ratio':>8}"
+    print("\n1. attention core, forward + backward (standard = fused SDPA; ChaCAL's solve in fp32)")
+    print(header)
+    for T in lengths:
+        print(row(T, *bench_core(T, tokens, size["n_head"], head_size, dtype, device, args.repeats)))
+    print("\n2. one-layer model, full training step (forward, backward, AdamW)")
+    print(header)
+    for T in lengths:
+        print(row(T, *bench_model_step(T, tokens, size, dtype, device, args.repeats)))
+    print(f"\n3. decoding, tokens/s at batch {decode_batch} (one layer, after a 1-token prompt)")
+    print(f"{'T':>6} {'std cache':>12} {'chacal cache':>13} {'ratio':>7} {'chacal re-solve':>16} {'ratio':>7}")
+    for T in decode_lengths:
+        std, cha, resolve = bench_decode(T, decode_batch, size, dtype, device)
+        print(f"{T:>6} {std:>12.0f} {cha:>13.0f} {cha / std:>6.2f}x {resolve:>16.0f} {resolve / std:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""
+A GPT-2 style transformer whose attention is chosen per layer (standard, ChaCAL, ...).
+
+Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP,
+as GPT-2 and nanoGPT; parameter names follow GPT-2 so its weights load by name. The model knows
+nothing about tasks: it maps token ids to logits, and ignores targets equal to -1 in the loss.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention import ATTENTIONS, LayerCache
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 128   # the longest sequence the model accepts (rows of the position table)
+    vocab_size: int = 128   # number of distinct token ids
+    n_layer: int = 1        # number of transformer blocks
+    n_head: int = 4         # attention heads per block; n_embd must be a multiple of it
+    n_embd: int = 128       # width of the residual stream; the MLP is 4x wider, as GPT-2
+    dropout: float = 0.0    # dropout on embeddings and residual branches; 0 in every paper run
+    bias: bool = True       # biases in Linear and LayerNorm layers, as GPT-2
+    attn: str = "chacal"    # attention of every layer ("chacal"), or one per layer ("standard,chacal")
+    gamma: float = 0.9      # ChaCAL's γ in [0, 1): 0 is standard attention, the paper uses 0.9
+
+    def __post_init__(self):
+        # Fail here, at construction, with the flag's name, rather than deep inside a forward.
+        names = self.attention_per_layer()
+        unknown = [name for name in names if name not in ATTENTIONS]
+        if unknown:
+            raise ValueError(f"--attn: unknown attention {unknown[0]!r}; choose from "
+                             f"{', '.join(ATTENTIONS)}, or a comma list with one per layer")
+        if len(names) != self.n_layer:
+            raise ValueError(f"--attn lists {len(names)} attentions ({self.attn}) but --n_layer is "
+                             f"{self.n_layer}; give one name for all layers or one per layer")
+        if not 0.0 <= self.gamma < 1.0:
+            raise ValueError(f"--gamma {self.gamma} is outside [0, 1); the paper uses 0.9")
+        if self.n_layer < 1 or self.n_head < 1 or self.n_embd % self.n_head:
+            raise ValueError(f"--n_embd {self.n_embd} must be a positive multiple of "
+                             f"--n_head {self.n_head}, and --n_layer at least 1")
+
+    def attention_per_layer(self):
+        """The attention name of each layer, e.g. 'standard,chacal' -> ['standard', 'chacal']."""
+        names = [name.strip() for name in self.attn.split(",")]
+        return names * self.n_layer if len(names) == 1 else names
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """x + attention(LN(x)), then x + MLP(LN(x)): GPT-2's pre-LayerNorm block."""
+
+    def __init__(self, config, attention_name):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = ATTENTIONS[attention_name](config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, token_ids=None, depth=0):
+        x = x + self.attn(self.ln_1(x), cache=cache, token_ids=token_ids, depth=depth)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, name) for name in config.attention_per_layer()]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied embeddings, as GPT-2
+
+        # GPT-2's initialisation: N(0, 0.02), with the projections that write into the residual
+        # stream scaled down by √(2·n_layer) so the stream's variance does not grow with depth.
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self):
+        """Parameters, the tied embedding counted once (the paper's "Size" column)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_caches(self):
+        """One empty LayerCache per layer, to pass to forward() when decoding."""
+        return [LayerCache() for _ in self.transformer.h]
+
+    def forward(self, idx, targets=None, caches=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
+
+        targets (B, T): the loss is the mean cross-entropy over positions whose target is not -1.
+        caches: from new_caches(); each layer appends this call's tokens to its cache, and
+        positions continue after the tokens already cached.
+        """
+        B, T = idx.size()
+        start = len(caches[0]) if caches else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
+                             f"{self.config.block_size}; train with a larger --block_size")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for depth, block in enumerate(self.transformer.h):
+            x = block(x, cache=caches[depth] if caches else None, token_ids=idx, depth=depth)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
+                 generator=None):
+        """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + max_new_tokens).
+
+        temperature=0 is greedy decoding. With use_cache the prompt is encoded once (for ChaCAL,
+        one triangular solve) and every new token costs one step against the cache; without it,
+        each new token recomputes the whole sequence, which is slower but obviously right.
+        """
+        if idx.size(1) + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"is longer than block_size {self.config.block_size}")
+        caches = self.new_caches() if use_cache else None
+        new_tokens = idx  # what the next forward has to read
+        for _ in range(max_new_tokens):
+            logits, _ = self(new_tokens if use_cache else idx, caches=caches)
+            logits = logits[:, -1, :]
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+                next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_token], dim=1)
+            new_tokens = next_token
+        return idx

@@ -1,0 +1,113 @@
+"""The GPT: decoding with the cache against the full forward pass, sizes, and bad configs."""
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+ATTENTION_STACKS = ["standard", "chacal", "standard,chacal"]
+
+
+def small_model(attn, seed=0, **overrides):
+    torch.manual_seed(seed)
+    options = dict(block_size=40, vocab_size=30, n_layer=len(attn.split(",")), n_head=4,
+                   n_embd=32, attn=attn)
+    options.update(overrides)
+    return GPT(GPTConfig(**options)).double().eval()
+
+
+@pytest.mark.parametrize("attn", ATTENTION_STACKS)
+def test_cached_decoding_equals_full_forward(attn):
+    model = small_model(attn)
+    idx = torch.randint(0, 30, (3, 25), generator=torch.Generator().manual_seed(1))
+    full, _ = model(idx)
+    caches = model.new_caches()
+    pieces = [model(idx[:, :10], caches=caches)[0]]             # prefill a 10-token prompt
+    for t in range(10, 25):                                      # then one token at a time
+        pieces.append(model(idx[:, t:t + 1], caches=caches)[0])
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("attn", ATTENTION_STACKS)
+def test_prefill_then_continue_equals_one_solve(attn):
+    model = small_model(attn)
+    idx = torch.randint(0, 30, (2, 30), generator=torch.Generator().manual_seed(2))
+    full, _ = model(idx)
+    caches = model.new_caches()
+    first, _ = model(idx[:, :13], caches=caches)
+    rest, _ = model(idx[:, 13:], caches=caches)                  # 17 tokens in one block
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("attn", ATTENTION_STACKS)
+def test_greedy_generation_with_and_without_cache_agree(attn):
+    model = small_model(attn)
+    prompt = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(3))
+    cached = model.generate(prompt, 20, temperature=0)
+    recomputed = model.generate(prompt, 20, temperature=0, use_cache=False)
+    assert cached.shape == (4, 26)
+    assert torch.equal(cached, recomputed)
+    assert torch.equal(cached[:, :6], prompt)
+
+
+def test_sampling_is_reproducible_with_a_generator_and_respects_top_k():
+    model = small_model("chacal")
+    prompt = torch.zeros(2, 1, dtype=torch.long)
+    a = model.generate(prompt, 10, top_k=3, generator=torch.Generator().manual_seed(0))
+    b = model.generate(prompt, 10, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)
+    # With top_k=1 sampling can only take the argmax: it must equal greedy decoding.
+    assert torch.equal(model.generate(prompt, 10, top_k=1), model.generate(prompt, 10, temperature=0))
+
+
+def test_loss_ignores_targets_of_minus_one():
+    model = small_model("chacal")
+    idx = torch.randint(0, 30, (2, 12))
+    targets = torch.randint(0, 30, (2, 12))
+    targets[:, :5] = -1
+    logits, loss = model(idx, targets)
+    expected = torch.nn.functional.cross_entropy(logits[:, 5:].reshape(-1, 30), targets[:, 5:].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_paper_sizes_match_table_1():
+    # ChaCAL paper, Table 1: 3.3M, 6.4M, 9.6M, 12.7M, 15.9M for 1..5 layers at d=512.
+    for n_layer, millions in zip(range(1, 6), [3.3, 6.4, 9.6, 12.7, 15.9]):
+        model = GPT(GPTConfig(n_layer=n_layer, n_embd=512, n_head=8, attn="standard"))
+        assert round(model.num_params() / 1e6, 1) == millions
+    assert GPT(GPTConfig(n_layer=1, n_embd=512, n_head=8, attn="chacal")).num_params() == 3_284_480
+
+
+def test_gpt2_parameter_names():
+    names = set(dict(small_model("standard,chacal").named_parameters()))
+    for name in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
+                 "transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_proj.bias",
+                 "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.weight",
+                 "transformer.ln_f.weight"]:
+        assert name in names
+
+
+def test_mixed_stack_builds_each_attention_per_layer():
+    model = small_model("standard,chacal")
+    kinds = [type(block.attn).__name__ for block in model.transformer.h]
+    assert kinds == ["CausalSelfAttention", "ChaCALAttention"]
+
+
+@pytest.mark.parametrize("options, flag", [
+    (dict(attn="flash"), "--attn"),
+    (dict(attn="standard,chacal", n_layer=3), "--attn"),
+    (dict(gamma=1.0), "--gamma"),
+    (dict(gamma=-0.5), "--gamma"),
+    (dict(n_embd=30, n_head=4), "--n_embd"),
+])
+def test_bad_configs_fail_at_construction_naming_the_flag(options, flag):
+    with pytest.raises(ValueError, match=flag):
+        GPTConfig(**options)
+
+
+def test_sequences_longer_than_block_size_are_refused():
+    model = small_model("chacal")
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 41, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(torch.zeros(1, 30, dtype=torch.long), 11)

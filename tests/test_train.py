@@ -1,0 +1,85 @@
+"""train.py and sample.py as a user runs them: a CPU smoke run, exact resume, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
+        "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
+
+
+def run_script(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_smoke_run_writes_metrics_and_checkpoint(tmp_path):
+    summary = train.main(TINY + ["--max_iters", "6", "--eval_interval", "3", "--out_dir", str(tmp_path)])
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines] == [3, 6]
+    assert set(lines[-1]["eval_acc_by_depth"]) == {"1", "2", "3"}
+    assert 0 <= lines[-1]["eval_acc"] <= 1 and lines[-1]["eval_loss"] > 0
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert checkpoint["step"] == 6 and checkpoint["config"]["attn"] == "chacal"
+    assert summary["final"] == lines[-1]
+
+
+def test_resume_continues_a_run_exactly(tmp_path):
+    flags = TINY + ["--attn", "standard,chacal", "--n_layer", "2", "--eval_interval", "4",
+                    "--lr_decay_iters", "12"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    train.main(flags + ["--max_iters", "12", "--out_dir", str(straight)])
+    train.main(flags + ["--max_iters", "4", "--out_dir", str(halves)])   # "killed" at step 4
+    train.main(["--resume", "--max_iters", "12", "--out_dir", str(halves), "--no-progress"])
+    a = torch.load(straight / "ckpt.pt", weights_only=False)
+    b = torch.load(halves / "ckpt.pt", weights_only=False)
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    metrics_a = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    metrics_b = [json.loads(line) for line in open(halves / "metrics.jsonl")]
+    drop_time = lambda ms: [{k: v for k, v in m.items() if k != "train_time"} for m in ms]
+    assert drop_time(metrics_a) == drop_time(metrics_b)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--attn", "flash"], "--attn"),
+    (["--task", "chess"], "--task"),
+    (["--gamma", "1.0"], "--gamma"),
+    (["--gamma", "-0.1"], "--gamma"),
+    (["--block_size", "64"], "--block_size"),
+    (["--attn", "standard,chacal"], "--attn"),
+    (["--resume", "--out_dir", "no/such/run"], "--resume"),
+])
+def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named):
+    result = run_script("train.py", *flags)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    error_line = result.stderr.strip().splitlines()[-1]
+    assert error_line.startswith("train.py: error:") and named in error_line
+
+
+def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    cached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3")
+    uncached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3", "--no_cache")
+    assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
+    assert "tokens/s" in cached.stdout
+    answers = lambda out: [line for line in out.splitlines() if "model" in line]
+    assert answers(cached.stdout) and answers(cached.stdout) == answers(uncached.stdout)
+
+
+def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    prompt = "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"  # values, then 3 blocks of pointers
+    result = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", prompt)
+    assert result.returncode == 0, result.stderr
+    assert "block  3" in result.stdout
+    bad = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", "1 2 3")
+    assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,322 @@
+"""
+Train a GPT with standard or ChaCAL attention on a task, with fresh data every step.
+
+    python train.py --attn chacal --task toy                  # 1 ChaCAL layer: >99% in ~2 min on a laptop CPU
+    python train.py --attn standard --task toy                # 1 standard layer: stuck near 20%
+    python train.py --attn standard --task toy --n_layer 4    # Theorem 1: 4 layers for 15 hops
+    python train.py --resume                                  # continue the run in out/ exactly
+
+The paper's size and schedule (Table 4 of the ChaCAL paper) for the toy task:
+
+    python train.py --attn chacal --task toy --n_embd 512 --n_head 8 --batch_size 128 \\
+        --lr 3e-4 --warmup_iters 8000 --max_iters 24000 --eval_interval 500
+
+Every evaluation appends one JSON line to out_dir/metrics.jsonl and saves out_dir/ckpt.pt
+(model, optimizer, config, step, RNG states), so a killed run resumes where it was saved.
+Lessons call main([...flags...]), which returns the run's summary and metrics.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+from tqdm import tqdm
+
+from data import get_task
+from model import GPT, GPTConfig
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description="Train a GPT with standard or ChaCAL attention on a task.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add = parser.add_argument
+    # what to train
+    add("--task", default="toy", help="task to train on: toy (pointer chains)")
+    add("--attn", default="chacal",
+        help="attention of every layer (standard, chacal), or one per layer: standard,chacal")
+    add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention")
+    # model size
+    add("--n_layer", type=int, default=1, help="number of transformer blocks")
+    add("--n_head", type=int, default=4, help="attention heads per block")
+    add("--n_embd", type=int, default=128, help="width of the residual stream (MLP is 4x)")
+    add("--dropout", type=float, default=0.0, help="dropout on embeddings and residual branches")
+    add("--block_size", type=int, default=None,
+        help="longest sequence the model accepts; default: the task's sequence length")
+    # task options
+    add("--n_blocks", type=int, default=16, help="toy: number of blocks (chains are n_blocks-1 deep)")
+    add("--block_len", type=int, default=8, help="toy: tokens per block")
+    # optimizer (AdamW; weight decay on matrices only)
+    add("--batch_size", type=int, default=32, help="sequences per step, sampled fresh each step")
+    add("--lr", type=float, default=3e-3, help="peak learning rate")
+    add("--min_lr", type=float, default=None, help="learning rate at the end of decay; default lr/10")
+    add("--warmup_iters", type=int, default=100, help="steps of linear warmup")
+    add("--lr_decay_iters", type=int, default=None,
+        help="steps of cosine decay, counted from 0; default max_iters")
+    add("--beta1", type=float, default=0.9, help="Adam β1")
+    add("--beta2", type=float, default=0.98, help="Adam β2 (the paper uses 0.98)")
+    add("--weight_decay", type=float, default=0.0, help="AdamW weight decay (0 for the toy task)")
+    add("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables")
+    add("--max_iters", type=int, default=1000, help="training steps")
+    # evaluation and output
+    add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every this many steps")
+    add("--eval_samples", type=int, default=1024, help="fresh test sequences per evaluation")
+    add("--out_dir", default="out", help="where metrics.jsonl and ckpt.pt go")
+    add("--resume", action="store_true",
+        help="continue the run saved in out_dir; flags you type override its saved settings")
+    add("--progress", action=argparse.BooleanOptionalAction, default=True,
+        help="show a progress bar")
+    # system
+    add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+        help="auto picks cuda, then mps, then cpu")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="autocast dtype; auto is bfloat16 on GPUs that support it, else float32")
+    add("--seed", type=int, default=1337, help="seeds the model's init and the data stream")
+    return parser
+
+
+def typed_flags(parser, args, argv):
+    """The flags given on the command line (not left at their defaults), with their values."""
+    typed = {action.dest for action in parser._actions for option in action.option_strings
+             if any(arg == option or arg.startswith(option + "=") for arg in argv)}
+    return {dest: getattr(args, dest) for dest in typed}
+
+
+def pick_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible here; use --device auto or cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: MPS is not available here; use --device auto or cpu")
+    return name
+
+
+def pick_dtype(name, device):
+    if name == "auto":
+        use_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
+        return "bfloat16" if use_bf16 else "float32"
+    return name
+
+
+def learning_rate(step, args):
+    """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters (as nanoGPT)."""
+    if step < args.warmup_iters:
+        return args.lr * (step + 1) / args.warmup_iters
+    if step >= args.lr_decay_iters:
+        return args.min_lr
+    progress = (step - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+    return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+@torch.no_grad()
+def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
+    """Loss and accuracy on fresh samples, overall and per chain depth."""
+    model.eval()
+    total_loss, hits, counts = 0.0, {}, {}
+    n_batches = max(1, n_samples // batch_size)
+    for _ in range(n_batches):
+        x, y = task.sample(batch_size, generator)
+        depth = task.chain_depth(x)
+        x, y = x.to(device), y.to(device)
+        with autocast:
+            logits, loss = model(x, y)
+        total_loss += loss.item()
+        correct = (logits.argmax(dim=-1) == y).cpu()
+        scored = (y != -1).cpu()
+        for d in depth[scored].unique().tolist():
+            at_depth = scored & (depth == d)
+            hits[d] = hits.get(d, 0) + correct[at_depth].sum().item()
+            counts[d] = counts.get(d, 0) + at_depth.sum().item()
+    model.train()
+    return {
+        "eval_loss": total_loss / n_batches,
+        "eval_acc": sum(hits.values()) / sum(counts.values()),
+        "eval_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)},
+    }
+
+
+def save_checkpoint(path, model, optimizer, args, step, train_time, data_rng, eval_rng):
+    checkpoint = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "config": asdict(model.config),
+        "args": vars(args),
+        "step": step,
+        "train_time": train_time,
+        "rng": {"torch": torch.get_rng_state(), "data": data_rng.get_state(),
+                "eval": eval_rng.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+    }
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a kill during the save leaves the old checkpoint whole
+
+
+def parse_args(argv=None):
+    """Parse and check every flag, so bad input fails here with a message that names it."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    checkpoint = None
+    if args.resume:
+        path = os.path.join(args.out_dir, "ckpt.pt")
+        if not os.path.exists(path):
+            parser.error(f"--resume: no checkpoint at {path}; start the run without --resume "
+                         f"first, or point --out_dir at the run to continue")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        saved = dict(checkpoint["args"])
+        saved.update(typed_flags(parser, args, argv))
+        args = argparse.Namespace(**saved)
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    args.lr_decay_iters = args.max_iters if args.lr_decay_iters is None else args.lr_decay_iters
+    try:
+        if args.max_iters < 1 or args.eval_interval < 1 or args.batch_size < 1:
+            raise ValueError("--max_iters, --eval_interval and --batch_size must be at least 1")
+        if args.lr <= 0 or args.warmup_iters < 0:
+            raise ValueError(f"--lr {args.lr} must be > 0 and --warmup_iters >= 0")
+        task = get_task(args.task, **task_options(args))
+        block_size = args.block_size or task.block_size
+        if task.block_size > block_size:
+            raise ValueError(f"--block_size {block_size} is shorter than the {task.block_size}-token "
+                             f"sequences of task {args.task}; raise it or leave it unset")
+        config = GPTConfig(block_size=block_size, vocab_size=task.vocab_size,
+                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                           dropout=args.dropout, attn=args.attn, gamma=args.gamma)
+        if checkpoint is not None and asdict(config) != checkpoint["config"]:
+            changed = [k for k, v in asdict(config).items() if checkpoint["config"][k] != v]
+            raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
+                             f"({', '.join(changed)}); drop those flags to continue it")
+        args.device = pick_device(args.device)
+    except ValueError as error:
+        parser.error(str(error))
+    args.dtype = pick_dtype(args.dtype, args.device)
+    return args, task, config, checkpoint
+
+
+def task_options(args):
+    if args.task == "toy":
+        return {"n_blocks": args.n_blocks, "block_len": args.block_len}
+    return {}
+
+
+def main(argv=None):
+    args, task, config, checkpoint = parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = args.device
+    model = GPT(config).to(device)
+    # Weight decay on matrices only; biases, LayerNorms (and, as in nanoGPT, embeddings are
+    # matrices too) follow GPT-2 practice.
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=args.lr, betas=(args.beta1, args.beta2))
+    data_rng = torch.Generator().manual_seed(args.seed)      # training batches
+    eval_rng = torch.Generator().manual_seed(args.seed + 1)  # test batches, never seen in training
+    autocast = (torch.autocast(device_type=device, dtype=torch.bfloat16)
+                if args.dtype == "bfloat16" else contextlib.nullcontext())
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    step, train_time, metrics = 0, 0.0, []
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        step, train_time = checkpoint["step"], checkpoint["train_time"]
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        data_rng.set_state(checkpoint["rng"]["data"])
+        eval_rng.set_state(checkpoint["rng"]["eval"])
+        if checkpoint["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+        if os.path.exists(metrics_path):  # forget lines written after the checkpoint we resume
+            with open(metrics_path) as f:
+                metrics = [m for m in map(json.loads, f) if m["step"] <= step]
+    with open(metrics_path, "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+
+    print(f"{args.task}: {config.n_layer} layer(s) of {config.attn}"
+          f"{f' (gamma {config.gamma})' if 'chacal' in config.attn else ''}, "
+          f"{model.num_params() / 1e6:.2f}M parameters, {device} {args.dtype}"
+          f"{f', resuming at step {step}' if step else ''}")
+    window_loss, window_hits, window_count, window_steps = 0.0, 0, 0, 0
+    bar = tqdm(total=args.max_iters, initial=step, disable=not args.progress, dynamic_ncols=True)
+    tick = time.perf_counter()
+    try:
+        while step < args.max_iters:
+            lr = learning_rate(step, args)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = task.sample(args.batch_size, data_rng)
+            x, y = x.to(device), y.to(device)
+            with autocast:
+                logits, loss = model(x, y)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+
+            scored = y != -1
+            window_hits += (logits.argmax(dim=-1)[scored] == y[scored]).sum().item()
+            window_count += scored.sum().item()
+            window_loss += loss.item()
+            window_steps += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}", acc=f"{window_hits / window_count:.3f}")
+
+            if step % args.eval_interval == 0 or step == args.max_iters:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                train_time += time.perf_counter() - tick  # evaluation time is not training time
+                record = {"step": step, "train_time": round(train_time, 3), "lr": lr,
+                          "train_loss": window_loss / window_steps,
+                          "train_acc": window_hits / window_count}
+                record.update(evaluate(model, task, args.eval_samples, args.batch_size,
+                                       eval_rng, device, autocast))
+                metrics.append(record)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                save_checkpoint(ckpt_path, model, optimizer, args, step, train_time,
+                                data_rng, eval_rng)
+                bar.write(f"step {step}: test loss {record['eval_loss']:.4f}, "
+                          f"test accuracy {record['eval_acc']:.2%}")
+                window_loss, window_hits, window_count, window_steps = 0.0, 0, 0, 0
+                tick = time.perf_counter()
+    except KeyboardInterrupt:
+        bar.close()
+        saved = metrics[-1]["step"] if metrics else 0
+        print(f"interrupted at step {step}; the checkpoint of step {saved} is kept in {ckpt_path}: "
+              f"run the same command with --resume to continue")
+        raise SystemExit(130)
+    bar.close()
+
+    summary = summarize(args, config, model.num_params(), metrics)
+    print(summary["line"])
+    return summary
+
+
+def summarize(args, config, n_params, metrics):
+    final = metrics[-1]
+    first_99 = next((m for m in metrics if m["eval_acc"] >= 0.99), None)
+    reached = (f"first >= 99% at step {first_99['step']} ({first_99['train_time']:.0f} s)"
+               if first_99 else "never reached 99%")
+    line = (f"done: {args.task}, {config.n_layer} x {config.attn}, {final['step']} steps in "
+            f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); test accuracy "
+            f"{final['eval_acc']:.2%}, loss {final['eval_loss']:.4f}; {reached}; "
+            f"metrics in {os.path.join(args.out_dir, 'metrics.jsonl')}")
+    return {"line": line, "final": final, "metrics": metrics, "n_params": n_params,
+            "device": args.device, "dtype": args.dtype, "args": vars(args)}
+
+
+if __name__ == "__main__":
+    main()
