@@ -81,8 +81,6 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None):
         A = causal_attention_weights(q, k)                         # (B, nh, Tq, Tp+Tq)
         rhs = A @ values                                           # (B, nh, Tq, hs)
         n_new = q.size(-2)
-        if n_new == 1:
-            return rhs                                             # a 1x1 unit system: Y = rhs
         # The solver treats the diagonal as 1 (unitriangular) and ignores the upper triangle, so
         # -γA among the new tokens *is* I - γA' to it: the diagonal leaves the inverse for free.
         return torch.linalg.solve_triangular(-gamma * A[..., -n_new:], rhs,
@@ -130,7 +128,6 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -179,16 +176,21 @@ class ChaCALAttention(CausalSelfAttention):
 
     def __init__(self, config):
         super().__init__(config)
-        if not 0.0 <= config.gamma < 1.0:
-            raise ValueError(f"--gamma {config.gamma} is outside [0, 1); the paper uses 0.9")
-        self.gamma = config.gamma
+        self.gamma = config.gamma  # GPTConfig has checked that it lies in [0, 1)
 
     def mix(self, q, k, v, cache):
         if cache is None:
             return chacal_attention(q, k, v, self.gamma).to(v.dtype)
-        y = chacal_attention(q, k, v, self.gamma, cache.keys, cache.values)
-        cache.append(k, ((1 - self.gamma) * v.to(y.dtype) + self.gamma * y).to(v.dtype))
-        return y.to(v.dtype)
+        if q.size(-2) > 1:  # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
+            y = chacal_attention(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
+            cache.append(k, (1 - self.gamma) * v + self.gamma * y)
+            return y
+        # One new token: its row of the system is plain attention over the cached mixed values
+        # and its own (1-γ)v_t, so the fused kernel computes it, at the cost of standard decoding.
+        cache.append(k, (1 - self.gamma) * v)
+        y = F.scaled_dot_product_attention(q, cache.keys, cache.values)
+        cache.values[..., -1:, :] += self.gamma * y  # complete m_t = (1-γ)v_t + γy_t in place
+        return y
 
 
 # The --attn name of each variant.

@@ -11,19 +11,21 @@ Three tables:
 3. decoding tokens/s: standard with its KV cache, ChaCAL with its mixed-value cache, and ChaCAL
    re-solving the whole prefix for every token (what decoding would cost without the cache).
 
+On a GPU a fourth line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
+reports the training seconds it took. Each target of the project is printed beside its figure.
 Peak memory is reported on CUDA only (PyTorch tracks no CPU peak).
 """
 
-import argparse
+import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 
+import train
 from attention import chacal_attention
 from model import GPT, GPTConfig
-from train import pick_device
-
-import torch.nn.functional as F
+from train import OneLineErrors, pick_device
 
 
 def timed(fn, device, repeats):
@@ -58,47 +60,50 @@ def bench_core(T, tokens, n_head, head_size, dtype, device, repeats):
     return timed(standard, device, repeats), timed(chacal, device, repeats)
 
 
-def bench_model_step(T, tokens, size, dtype, device, repeats):
+def autocast(device, dtype):
+    return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def bench_model_step(attn, T, tokens, size, dtype, device, repeats):
+    """Median time and peak memory of one training step of a one-layer model."""
     B = max(1, tokens // T)
-    results = []
-    for attn in ["standard", "chacal"]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size)).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        x = torch.randint(0, 128, (B, T), device=device)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 128, (B, T), device=device)
 
-        def step():
-            with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-                _, loss = model(x, x)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def step():
+        with autocast(device, dtype):
+            _, loss = model(x, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-        results.append(timed(step, device, repeats))
-        del model, optimizer
-    return results
+    return timed(step, device, repeats)
 
 
-def bench_decode(T, batch, size, dtype, device):
-    """Tokens/s generating T - 1 tokens after a 1-token prompt."""
-    results = []
-    for attn, use_cache in [("standard", True), ("chacal", True), ("chacal", False)]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size))
-        model = model.to(device).eval()
-        prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+def bench_decode(attn, use_cache, T, batch, size, dtype, device):
+    """Tokens/s generating T - 1 tokens after a 1-token prompt with a one-layer model."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size))
+    model = model.to(device).eval()
+    prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
-        def decode():
-            with torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32):
-                model.generate(prompt, T - 1, temperature=0, use_cache=use_cache)
+    def decode():
+        with autocast(device, dtype):
+            model.generate(prompt, T - 1, temperature=0, use_cache=use_cache)
 
-        seconds, _ = timed(decode, device, repeats=3)
-        results.append(batch * (T - 1) / seconds)
-    return results
+    seconds, _ = timed(decode, device, repeats=3)
+    return batch * (T - 1) / seconds
+
+
+def target(what, measured, relation, goal):
+    met = measured <= goal if relation == "<=" else measured >= goal
+    print(f"   target: {what} {relation} {goal}: measured {measured:.2f}, {'met' if met else 'MISSED'}")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser = OneLineErrors(prog="bench.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                         help="auto picks cuda, then mps, then cpu")
@@ -125,8 +130,9 @@ def main():
 
     def row(T, std, cha):
         (t_std, m_std), (t_cha, m_cha) = std, cha
-        return (f"{T:>6} {t_std * 1e3:>10.2f} {t_cha * 1e3:>10.2f} {t_cha / t_std:>7.2f}x"
-                f" {m_std:>10.0f} {m_cha:>10.0f} {m_cha / m_std:>7.2f}x")
+        memory = (f" {m_std:>10.0f} {m_cha:>10.0f} {m_cha / m_std:>7.2f}x" if device == "cuda"
+                  else f" {'-':>10} {'-':>10} {'-':>8}")
+        return f"{T:>6} {t_std * 1e3:>10.2f} {t_cha * 1e3:>10.2f} {t_cha / t_std:>7.2f}x" + memory
 
     header = f"{'T':>6} {'std ms':>10} {'chacal ms':>10} {'ratio':>8} {'std MiB':>10} {'cha MiB':>10} {'ratio':>8}"
     print("\n1. attention core, forward + backward (standard = fused SDPA; ChaCAL's solve in fp32)")
@@ -135,13 +141,35 @@ def main():
         print(row(T, *bench_core(T, tokens, size["n_head"], head_size, dtype, device, args.repeats)))
     print("\n2. one-layer model, full training step (forward, backward, AdamW)")
     print(header)
+    step_ratio = None
     for T in lengths:
-        print(row(T, *bench_model_step(T, tokens, size, dtype, device, args.repeats)))
+        std, cha = (bench_model_step(attn, T, tokens, size, dtype, device, args.repeats)
+                    for attn in ["standard", "chacal"])
+        print(row(T, std, cha))
+        step_ratio = step_ratio or cha[0] / std[0]  # the first length, 128, is the toy size
+    target("ChaCAL training step at the toy size / standard step"
+           + ("" if full else " (a GPU target, at d 512 in bf16)"), step_ratio, "<=", 1.35)
     print(f"\n3. decoding, tokens/s at batch {decode_batch} (one layer, after a 1-token prompt)")
     print(f"{'T':>6} {'std cache':>12} {'chacal cache':>13} {'ratio':>7} {'chacal re-solve':>16} {'ratio':>7}")
+    decode_ratios = []
     for T in decode_lengths:
-        std, cha, resolve = bench_decode(T, decode_batch, size, dtype, device)
+        std, cha, resolve = (bench_decode(attn, use_cache, T, decode_batch, size, dtype, device)
+                             for attn, use_cache in [("standard", True), ("chacal", True),
+                                                     ("chacal", False)])
         print(f"{T:>6} {std:>12.0f} {cha:>13.0f} {cha / std:>6.2f}x {resolve:>16.0f} {resolve / std:>6.2f}x")
+        decode_ratios.append(cha / std)
+    target("ChaCAL cached decoding tokens/s / standard (worst length)", min(decode_ratios), ">=", 0.9)
+
+    if full:
+        print("\n4. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
+        with tempfile.TemporaryDirectory() as out_dir:
+            run = train.main(f"--attn chacal --task toy --n_embd 512 --n_head 8 --batch_size 128 "
+                             f"--lr 1e-3 --warmup_iters 100 --max_iters 1500 --eval_interval 50 "
+                             f"--eval_samples 2048 --no-progress --out_dir {out_dir}".split())
+        solved = next((m for m in run["metrics"] if m["eval_acc"] >= 0.999), None)
+        seconds = solved["train_time"] if solved else float("inf")
+        print(f"reached 99.9% at step {solved['step'] if solved else 'never'}")
+        target("seconds of training to 99.9% on the toy task", seconds, "<=", 15)
 
 
 if __name__ == "__main__":

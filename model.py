@@ -142,18 +142,20 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
-                 generator=None):
-        """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + max_new_tokens).
+                 generator=None, stop_token=None):
+        """Continue idx (B, T) by up to max_new_tokens tokens; returns (B, T + new tokens).
 
         temperature=0 is greedy decoding. With use_cache the prompt is encoded once (for ChaCAL,
         one triangular solve) and every new token costs one step against the cache; without it,
         each new token recomputes the whole sequence, which is slower but obviously right.
+        Generation ends early once every row has produced stop_token (e.g. an end-of-answer id).
         """
         if idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"is longer than block_size {self.config.block_size}")
         caches = self.new_caches() if use_cache else None
         new_tokens = idx  # what the next forward has to read
+        finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             logits, _ = self(new_tokens if use_cache else idx, caches=caches)
             logits = logits[:, -1, :]
@@ -167,4 +169,8 @@ class GPT(nn.Module):
                 next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
             idx = torch.cat([idx, next_token], dim=1)
             new_tokens = next_token
+            if stop_token is not None:
+                finished = finished | (next_token[:, 0] == stop_token)
+                if finished.all():
+                    break
         return idx

@@ -2,25 +2,26 @@
 Run a trained model on one example and print its answers beside the truth.
 
     python sample.py                          # a fresh example of the task the run in out/ learned
-    python sample.py --prompt "5 9 1 0 ..."   # your own sequence (toy: values, then pointer blocks)
+    python sample.py --prompt "5 9 1 0 ..."   # toy: your own sequence, values then pointer blocks
+    python sample.py --prompt "The cup is in Box B, there is nothing in Box A. Move ..."   # boxes
     python sample.py --no_cache               # recompute the whole prefix for every token (slow path)
 
-The model reads the sequence one token at a time, as a decoder would: the first block is the
-prompt, encoded at once (for ChaCAL, one triangular solve), then every further token is one step
-against the per-layer cache. Its prediction at each position is the answer there. Both paths
-print the same answers; only the tokens/s differ.
+Toy task: the model reads the sequence one token at a time, as a decoder would; the first block
+is the prompt, encoded at once (for ChaCAL, one triangular solve), then every further token is one
+step against the per-layer cache, and the model's prediction at each position is its answer there.
+Boxes: the model writes the answer after the prompt by greedy decoding, scored by exact match.
+Both paths print the same answers with and without the cache; only the tokens/s differ.
 """
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-from data import get_task
+from data import BOS, EOS, SEP, decode, encode, get_task, render_answer, simulate
 from model import GPT, GPTConfig
-from train import pick_device, task_options
+from train import OneLineErrors, pick_device, task_options
 
 
 @torch.no_grad()
@@ -44,8 +45,37 @@ def predict_token_by_token(model, x, prompt_len, use_cache=True):
     return torch.cat(predictions, dim=1), time.perf_counter() - start
 
 
+@torch.no_grad()
+def answer_boxes(model, task, args, device, parser):
+    """Greedy-decode the answer to a boxes prompt (typed, or row --seed of the test split)."""
+    if args.prompt is None:
+        prompt, truth = task.prompt_and_answer(args.seed % len(task.rows))
+        prompt_text = decode(prompt[1:-1])
+    else:
+        try:
+            prompt = torch.tensor([BOS, *encode(args.prompt), SEP])
+            boxes, _ = simulate(args.prompt)
+        except ValueError as error:
+            parser.error(f"--prompt: {error}")
+        prompt_text = args.prompt
+        truth = render_answer(boxes, with_empty=task.version == "default")
+    room = model.config.block_size - len(prompt)
+    if room < 1:
+        parser.error(f"--prompt: {len(prompt)} tokens leave no room to answer within block_size "
+                     f"{model.config.block_size}")
+    start = time.perf_counter()
+    out = model.generate(prompt[None].to(device), room, temperature=0,
+                         use_cache=not args.no_cache, stop_token=EOS)[0, len(prompt):].tolist()
+    seconds = time.perf_counter() - start
+    answer = decode(out[:out.index(EOS)] if EOS in out else out)
+    print(f"prompt: {prompt_text}\nmodel : {answer}\ntruth : {truth}")
+    print(f"exact match: {'yes' if answer == truth else 'no'}; {len(out)} tokens at "
+          f"{len(out) / seconds:.0f} tokens/s on {device} "
+          f"({'no cache, recomputing the prefix' if args.no_cache else 'with the cache'})")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+    parser = OneLineErrors(prog="sample.py", description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the run whose ckpt.pt to load")
     parser.add_argument("--prompt", default=None,
@@ -67,10 +97,12 @@ def main(argv=None):
         parser.error(str(error))
     checkpoint = torch.load(path, map_location=device, weights_only=False)
     run = argparse.Namespace(**checkpoint["args"])
-    task = get_task(run.task, **task_options(run))
+    task = get_task(run.task, **task_options(run, split="test"))
     model = GPT(GPTConfig(**checkpoint["config"])).to(device).eval()
     model.load_state_dict(checkpoint["model"])
 
+    if run.task == "boxes":
+        return answer_boxes(model, task, args, device, parser)
     if args.prompt is None:
         x, _ = task.sample(1, torch.Generator().manual_seed(args.seed))
     else:

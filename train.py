@@ -32,13 +32,20 @@ from data import get_task
 from model import GPT, GPTConfig
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad flag prints one line naming it, not the whole usage above it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
-        description="Train a GPT with standard or ChaCAL attention on a task.",
+    parser = OneLineErrors(
+        prog="train.py", description="Train a GPT with standard or ChaCAL attention on a task.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     # what to train
-    add("--task", default="toy", help="task to train on: toy (pointer chains)")
+    add("--task", default="toy", help="task to train on: toy (pointer chains) or boxes (text)")
     add("--attn", default="chacal",
         help="attention of every layer (standard, chacal), or one per layer: standard,chacal")
     add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention")
@@ -52,6 +59,10 @@ def build_parser():
     # task options
     add("--n_blocks", type=int, default=16, help="toy: number of blocks (chains are n_blocks-1 deep)")
     add("--block_len", type=int, default=8, help="toy: tokens per block")
+    add("--boxes_version", default="default", choices=["default", "advanced"],
+        help="boxes: 7 boxes and 32 operations, or 8 boxes and 1-31 implicit moves")
+    add("--n_train", type=int, default=2000, help="boxes: training examples (cached in data_cache/)")
+    add("--n_test", type=int, default=500, help="boxes: test examples, never sharing an initial state")
     # optimizer (AdamW; weight decay on matrices only)
     add("--batch_size", type=int, default=32, help="sequences per step, sampled fresh each step")
     add("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -172,9 +183,12 @@ def parse_args(argv=None):
             parser.error(f"--resume: no checkpoint at {path}; start the run without --resume "
                          f"first, or point --out_dir at the run to continue")
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        saved = dict(checkpoint["args"])
-        saved.update(typed_flags(parser, args, argv))
-        args = argparse.Namespace(**saved)
+        # Defaults, then the run's saved settings, then what was typed now: so a flag added to
+        # train.py after the checkpoint was written still has a value.
+        settings = vars(parser.parse_args([]))
+        settings.update(checkpoint["args"])
+        settings.update(typed_flags(parser, args, argv))
+        args = argparse.Namespace(**settings)
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     args.lr_decay_iters = args.max_iters if args.lr_decay_iters is None else args.lr_decay_iters
     try:
@@ -201,9 +215,13 @@ def parse_args(argv=None):
     return args, task, config, checkpoint
 
 
-def task_options(args):
+def task_options(args, split="train"):
+    """The get_task options of a run; toy samples fresh sequences, so it has no splits."""
     if args.task == "toy":
         return {"n_blocks": args.n_blocks, "block_len": args.block_len}
+    if args.task == "boxes":
+        return {"version": args.boxes_version, "n_train": args.n_train, "n_test": args.n_test,
+                "split": split}
     return {}
 
 
@@ -219,6 +237,7 @@ def main(argv=None):
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
         lr=args.lr, betas=(args.beta1, args.beta2))
+    test_task = get_task(args.task, **task_options(args, split="test"))
     data_rng = torch.Generator().manual_seed(args.seed)      # training batches
     eval_rng = torch.Generator().manual_seed(args.seed + 1)  # test batches, never seen in training
     autocast = (torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -266,22 +285,26 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
             step += 1
 
+            # Running sums stay on the device: reading them (.item()) would make the CPU wait
+            # for the GPU every step, so it is done only when the bar refreshes.
             scored = y != -1
-            window_hits += (logits.argmax(dim=-1)[scored] == y[scored]).sum().item()
-            window_count += scored.sum().item()
-            window_loss += loss.item()
+            window_hits += ((logits.argmax(dim=-1) == y) & scored).sum()
+            window_count += scored.sum()
+            window_loss += loss.detach()
             window_steps += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}", acc=f"{window_hits / window_count:.3f}")
+            if args.progress and step % 10 == 0:
+                bar.set_postfix(loss=f"{window_loss.item() / window_steps:.4f}",
+                                acc=f"{window_hits.item() / window_count.item():.3f}")
 
             if step % args.eval_interval == 0 or step == args.max_iters:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 train_time += time.perf_counter() - tick  # evaluation time is not training time
                 record = {"step": step, "train_time": round(train_time, 3), "lr": lr,
-                          "train_loss": window_loss / window_steps,
-                          "train_acc": window_hits / window_count}
-                record.update(evaluate(model, task, args.eval_samples, args.batch_size,
+                          "train_loss": window_loss.item() / window_steps,
+                          "train_acc": window_hits.item() / window_count.item()}
+                record.update(evaluate(model, test_task, args.eval_samples, args.batch_size,
                                        eval_rng, device, autocast))
                 metrics.append(record)
                 with open(metrics_path, "a") as f:
@@ -294,9 +317,12 @@ def main(argv=None):
                 tick = time.perf_counter()
     except KeyboardInterrupt:
         bar.close()
-        saved = metrics[-1]["step"] if metrics else 0
-        print(f"interrupted at step {step}; the checkpoint of step {saved} is kept in {ckpt_path}: "
-              f"run the same command with --resume to continue")
+        if os.path.exists(ckpt_path):
+            print(f"interrupted at step {step}; {ckpt_path} holds step {metrics[-1]['step']}: "
+                  f"add --resume to the same command to continue from there")
+        else:
+            print(f"interrupted at step {step}, before the first checkpoint (step "
+                  f"{args.eval_interval}); nothing was saved")
         raise SystemExit(130)
     bar.close()
 

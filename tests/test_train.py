@@ -15,9 +15,9 @@ TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32"
         "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
 
 
-def run_script(*args):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+def run_script(script, *args, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_smoke_run_writes_metrics_and_checkpoint(tmp_path):
@@ -82,4 +82,30 @@ def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "block  3" in result.stdout
     bad = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", "1 2 3")
+    assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_measures_every_section_at_a_tiny_size():
+    import bench
+    size = dict(n_embd=16, n_head=2)
+    (t_std, _), (t_cha, _) = bench.bench_core(16, 32, 2, 8, torch.float32, "cpu", repeats=1)
+    step = bench.bench_model_step("chacal", 16, 32, size, torch.float32, "cpu", repeats=1)
+    tokens_per_s = bench.bench_decode("chacal", True, 8, 2, size, torch.float32, "cpu")
+    assert t_std > 0 and t_cha > 0 and step[0] > 0 and tokens_per_s > 0
+
+
+def test_boxes_run_trains_and_answers_a_typed_prompt(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the boxes data cache goes to ./data_cache
+    summary = train.main(["--task", "boxes", "--n_train", "64", "--n_test", "16", "--n_layer", "2",
+                          "--attn", "standard,chacal", "--n_embd", "32", "--n_head", "2",
+                          "--batch_size", "4", "--max_iters", "2", "--eval_interval", "2",
+                          "--eval_samples", "8", "--no-progress", "--device", "cpu",
+                          "--out_dir", "run"])
+    assert os.path.exists("data_cache") and 0 <= summary["final"]["eval_acc"] <= 1
+    prompt = "The cup is in Box B, there is nothing in Box A. Move the contents of Box B to Box A."
+    result = run_script("sample.py", "--out_dir", "run", "--prompt", prompt, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "truth : Box A contains the cup, Box B is empty." in result.stdout
+    assert "exact match:" in result.stdout
+    bad = run_script("sample.py", "--out_dir", "run", "--prompt", "Juggle Box A.", cwd=tmp_path)
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr

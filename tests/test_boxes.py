@@ -1,0 +1,237 @@
+"""Boxes: the generator's rules, the simulator against the paper's examples, tokens, splits, cache."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+import data
+from data import (BOS, EOS, OBJECTS, SEP, VOCAB, decode, encode, generate_example, get_task,
+                  render_answer, signature_split, simulate)
+
+# The ChaCAL paper's appendix, Table 5 (default version) and Table 6 (advanced version).
+TABLE_5_PROMPT = (
+    "The radio is in Box D, the bone and the clock and the television are in Box C, the bill and "
+    "the computer and the tea are in Box B, there is nothing in Box E, the ice and the plant are in "
+    "Box A, the game is in Box G, there is nothing in Box F. Move the computer and the tea from Box "
+    "B to Box E. Put the milk into Box A. Put the cake into Box B. Remove the computer from Box E. "
+    "Move the bone and the television from Box C to Box E. Remove the radio from Box D. Remove the "
+    "bill from Box B. Remove the cake from Box B. Move the contents of Box E to Box F. Put the drug "
+    "and the map into Box D. Move the contents of Box G to Box D. Move the tea from Box F to Box C. "
+    "Move the tea from Box C to Box B. Move the ice from Box A to Box G. Remove the tea from Box B. "
+    "Move the map from Box D to Box A. Move the drug from Box D to Box E. Move the contents of Box G "
+    "to Box D. Move the contents of Box E to Box D. Remove the game and the ice from Box D. Put the "
+    "cake into Box G. Put the disk into Box F. Remove the clock from Box C. Remove the drug from Box "
+    "D. Remove the bone from Box F. Put the bell into Box E. Put the stone into Box F. Move the "
+    "contents of Box G to Box C. Move the stone and the television from Box F to Box B. Put the "
+    "magazine into Box G. Remove the disk from Box F. Remove the television from Box B.")
+TABLE_5_ANSWER = (
+    "Box A contains the map and the milk and the plant, Box B contains the stone, Box C contains "
+    "the cake, Box D is empty, Box E contains the bell, Box F is empty, Box G contains the magazine.")
+TABLE_6_PROMPT = (
+    "The television is in Box A, the cigarette is in Box B, the machine is in Box C, the cream is in "
+    "Box H. Move the contents of Box B to Box F. Move the contents of Box F to Box E. Put the sheet "
+    "into Box C. Remove the sheet from Box C. Put the coat into Box A. Remove the coat from Box A. "
+    "Move the contents of Box H to Box F. Move the contents of Box E to Box G. Move the contents of "
+    "Box G to Box E. Move the contents of Box A to Box D. Move the contents of Box D to Box G. Move "
+    "the contents of Box C to Box D. Move the contents of Box G to Box C.")
+TABLE_6_ANSWER = ("Box C contains the television, Box D contains the machine, Box E contains the "
+                  "cigarette, Box F contains the cream.")
+# The worked example of the Boxes docstring.
+TINY_PROMPT = ("The cup is in Box B, there is nothing in Box A, the key and the map are in Box C. "
+               "Move the key from Box C to Box A. Move the contents of Box B to Box C.")
+TINY_ANSWER = "Box A contains the key, Box B is empty, Box C contains the cup and the map."
+
+
+@functools.cache
+def examples(version, n):
+    rng = random.Random(f"test-{version}")
+    return [generate_example(rng, version) for _ in range(n)]
+
+
+@functools.cache
+def task(version, split="train"):
+    return get_task("boxes", version=version, n_train=300, n_test=100, seed=3, split=split,
+                    cache_dir=None)
+
+
+def steps(prompt):
+    """(operation, boxes before, boxes after) for every operation, by simulating each prefix."""
+    description, *operations = prompt.rstrip(".").split(". ")
+    prefixes = [". ".join([description, *operations[:k]]) + "." for k in range(len(operations) + 1)]
+    states = [simulate(prefix)[0] for prefix in prefixes]
+    return list(zip(operations, states[:-1], states[1:], strict=True))
+
+
+def initial_signature(prompt, letters):
+    """Items per box, in letter order, read from the description's text."""
+    boxes, _ = simulate(prompt.split(". ")[0] + ".")
+    return tuple(len(boxes.get(letter, ())) for letter in letters)
+
+
+def test_vocabulary_is_fixed_sorted_and_small():
+    assert len(VOCAB) <= 132 and len(set(VOCAB)) == len(VOCAB)
+    assert VOCAB[:4] == ["<pad>", "<bos>", "<sep>", "<eos>"] and VOCAB[4:] == sorted(VOCAB[4:])
+    assert len(set(OBJECTS)) == 100 and set(OBJECTS) <= set(VOCAB)
+
+
+@pytest.mark.parametrize("prompt, answer, with_empty", [(TABLE_5_PROMPT, TABLE_5_ANSWER, True),
+                                                        (TABLE_6_PROMPT, TABLE_6_ANSWER, False)])
+def test_simulator_reproduces_the_papers_tables_5_and_6(prompt, answer, with_empty):
+    boxes, _ = simulate(prompt)
+    assert render_answer(boxes, with_empty) == answer
+    assert decode(encode(prompt)) == prompt and decode(encode(answer)) == answer
+
+
+def test_table_5_is_388_tokens_and_table_6_counts_operations_per_box():
+    assert len(encode(TABLE_5_PROMPT)) + len(encode(TABLE_5_ANSWER)) == 388  # as in the notes
+    _, touched = simulate(TABLE_6_PROMPT)
+    assert touched == dict(A=3, B=1, C=4, D=3, E=3, F=3, G=4, H=1)
+
+
+def test_simulator_on_hand_written_cases():
+    boxes, touched = simulate(TINY_PROMPT)
+    assert render_answer(boxes) == TINY_ANSWER
+    assert touched == dict(A=1, B=1, C=2)
+    boxes, touched = simulate("There is nothing in Box A, the egg is in Box B. Put the fan and the "
+                              "map into Box A. Remove the map from Box A. Move the contents of Box "
+                              "A to Box B. Put the map into Box A.")
+    assert boxes == dict(A={"map"}, B={"egg", "fan"}) and touched == dict(A=4, B=1)
+    for bad in ["The egg is in Box A. Remove the fan from Box A.",      # not in the box
+                "The egg is in Box A. Put the egg into Box B.",         # already in a box
+                "The egg is in Box A. Move the contents of Box B to Box A.",  # nothing to move
+                "The egg is in Box A. Shake Box A."]:                   # not an operation
+        with pytest.raises(ValueError):
+            simulate(bad)
+
+
+def test_default_generator_follows_the_rules():
+    seen_orders, counts = set(), []
+    for prompt, _ in examples("default", 40):
+        clauses = prompt.split(". ")[0].split(", ")
+        letters = [clause[-1] for clause in clauses]
+        assert sorted(letters) == list("ABCDEFG")
+        seen_orders.add("".join(letters))
+        counts += initial_signature(prompt, "ABCDEFG")
+        operations = steps(prompt)
+        assert len(operations) == 32
+        for op, before, after in operations:
+            assert all(len(items) <= 3 for items in after.values()), op
+            if op.startswith("Move"):
+                source = op.split("Box ")[1][0]
+                # "Move the contents" exactly when the move empties the box.
+                assert op.startswith("Move the contents of") == (not after[source]), op
+                assert before[source]
+    assert len(seen_orders) > 30  # the description order is shuffled
+    assert max(counts) == 3 and 0 in counts and 1.5 < sum(counts) / len(counts) < 2.1
+
+
+def test_advanced_generator_follows_the_rules():
+    n_ops, letters = [], set()
+    for prompt, _ in examples("advanced", 300):
+        clauses = prompt.split(". ")[0].split(", ")
+        assert len(clauses) == 4 and all(" is in Box " in clause for clause in clauses)
+        operations = steps(prompt)
+        n_ops.append(len(operations))
+        for k, (op, _, after) in enumerate(operations):
+            letters |= set(after)
+            assert not op.startswith("Move") or op.startswith("Move the contents of"), op
+            if op.startswith("Put"):  # undone by the very next operation
+                assert operations[k + 1][0] == op.replace("Put", "Remove").replace("into", "from")
+            if op.startswith("Move"):
+                assert sum(bool(items) for items in after.values()) == 4
+            assert all(len(items) <= 2 for items in after.values())
+    assert letters == set("ABCDEFGH")
+    assert min(n_ops) == 1 and max(n_ops) <= 31 and max(n_ops) >= 25
+    assert 0.12 < n_ops.count(1) / len(n_ops) < 0.3  # log-uniform: P(1) = 0.2
+
+
+@pytest.mark.parametrize("version", ["default", "advanced"])
+def test_generator_answers_equal_the_simulator_and_tokens_round_trip(version):
+    for prompt, answer in examples(version, 100 if version == "default" else 300):
+        assert render_answer(simulate(prompt)[0], with_empty=version == "default") == answer
+        assert decode(encode(prompt)) == prompt and decode(encode(answer)) == answer
+    with pytest.raises(ValueError, match="vocabulary"):
+        encode("Put the unicorn into Box A.")
+
+
+def test_generator_is_deterministic_given_its_rng():
+    a = generate_example(random.Random(7))
+    assert a == generate_example(random.Random(7)) != generate_example(random.Random(8))
+
+
+@pytest.mark.parametrize("version", ["default", "advanced"])
+def test_train_and_test_never_share_an_initial_signature(version):
+    seen, letters = {}, "ABCDEFGH" if version == "advanced" else "ABCDEFG"
+    for split in ("train", "test"):
+        rows = task(version, split).rows
+        seen[split] = {initial_signature(decode(row[1:row.tolist().index(SEP)]), letters)
+                       for row in rows}
+    assert seen["train"] and seen["test"] and not seen["train"] & seen["test"]
+    train, test = signature_split(version, seed=3)
+    assert seen["train"] <= train and seen["test"] <= test and not train & test
+
+
+@pytest.mark.parametrize("version", ["default", "advanced"])
+def test_sample_scores_only_the_answer_and_matches_the_solver(version):
+    t = task(version)
+    x, y = t.sample(32, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (32, t.block_size) and t.block_size % 64 == 0
+    assert x.dtype == y.dtype == torch.long and t.vocab_size == len(VOCAB) and x.max() < t.vocab_size
+    positions = torch.arange(t.block_size)
+    sep = (x == SEP).int().argmax(1, keepdim=True)
+    eos = (x == EOS).int().argmax(1, keepdim=True)
+    answer = (positions >= sep) & (positions < eos)
+    assert (x[:, 0] == BOS).all() and (y[~answer] == -1).all()
+    assert torch.equal(y[:, :-1][answer[:, :-1]], x[:, 1:][answer[:, :-1]])
+    assert torch.equal(t.solve(x), y)
+    depth = t.chain_depth(x)
+    assert torch.equal(depth == -1, y == -1) and depth.max() > 3
+    a, b = t.sample(4, torch.Generator().manual_seed(5)), t.sample(4, torch.Generator().manual_seed(5))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_docstring_example_labels_and_chain_depth():
+    t = task("default")
+    answer = encode(TINY_ANSWER) + [EOS]
+    x = torch.tensor([[BOS, *encode(TINY_PROMPT), SEP, *answer]])
+    sep = len(encode(TINY_PROMPT)) + 1
+    y, depth = t.solve(x)[0], t.chain_depth(x)[0]
+    assert y[sep:-1].tolist() == answer  # at <sep> the first answer word, at the last "." <eos>
+    assert (y[:sep] == -1).all() and y[-1] == -1
+    clause_box = "A" * 6 + "B" * 5 + "C" * 10  # "Box A contains the key ," ... "map . <eos>"
+    assert depth[sep:-1].tolist() == [dict(A=1, B=1, C=2)[b] for b in clause_box]
+    assert (depth[:sep] == -1).all() and depth[-1] == -1
+
+
+def test_prompt_and_answer_and_describe():
+    t = task("advanced", "test")
+    prompt, answer = t.prompt_and_answer(0)
+    assert prompt[0] == BOS and prompt[-1] == SEP and (prompt == SEP).sum() == 1
+    assert answer == render_answer(simulate(decode(prompt[1:-1]))[0], with_empty=False)
+    x, y = t.sample(1)
+    text = t.describe(x[0], y[0], predictions=y[0])
+    assert decode(y[0][y[0] != -1]) in text and "exact match" in text
+    assert "exact match" not in t.describe(x[0], y[0], predictions=torch.zeros_like(y[0]))
+
+
+def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
+    options = dict(version="default", n_train=40, n_test=10, seed=1, cache_dir=str(tmp_path))
+    first = get_task("boxes", **options)
+    assert [p.name for p in tmp_path.iterdir()] == ["boxes-default-seed1-40+10.pt"]
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again instead of reading the cache")
+    monkeypatch.setattr(data, "generate_example", no_generation)
+    again, test = get_task("boxes", **options), get_task("boxes", **options, split="test")
+    assert torch.equal(first.rows, again.rows) and len(test.rows) == 10
+    assert len(list(tmp_path.iterdir())) == 1
+    with pytest.raises(AssertionError, match="generated again"):  # a new seed is not cached
+        get_task("boxes", **{**options, "seed": 2})
+
+
+def test_boxes_is_registered_and_options_are_checked():
+    assert data.TASKS["boxes"] is data.Boxes
+    with pytest.raises(ValueError, match="version"):
+        get_task("boxes", version="hard", cache_dir=None)
