@@ -431,22 +431,22 @@ class Boxes:
             depth.append(touched[box])
         return sep, answer, depth
 
+    def _along_answers(self, x, want_depth):
+        """(B, T): -1 outside each row's answer, and along it the answer ids or their depths."""
+        out = torch.full_like(x, -1)
+        for r in range(x.size(0)):
+            sep, answer, depth = self._read(x[r])
+            values = depth if want_depth else answer
+            n = min(len(values), x.size(1) - sep)
+            out[r, sep:sep + n] = torch.tensor(values[:n])
+        return out
+
     def solve(self, x):
         """Labels recomputed from each prompt's text by the simulator: the tests' reference."""
-        y = torch.full_like(x, -1)
-        for r in range(x.size(0)):
-            sep, answer, _ = self._read(x[r])
-            n = min(len(answer), x.size(1) - sep)
-            y[r, sep:sep + n] = torch.tensor(answer[:n])
-        return y
+        return self._along_answers(x, want_depth=False)
 
     def chain_depth(self, x):
-        depth = torch.full_like(x, -1)
-        for r in range(x.size(0)):
-            sep, _, row_depth = self._read(x[r])
-            n = min(len(row_depth), x.size(1) - sep)
-            depth[r, sep:sep + n] = torch.tensor(row_depth[:n])
-        return depth
+        return self._along_answers(x, want_depth=True)
 
     def prompt_and_answer(self, i):
         """Row i of the split as (prompt ids <bos>...<sep>, expected answer text), for exact match:

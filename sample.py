@@ -45,6 +45,11 @@ def predict_token_by_token(model, x, prompt_len, use_cache=True):
     return torch.cat(predictions, dim=1), time.perf_counter() - start
 
 
+def speed(n_tokens, seconds, device, no_cache):
+    path = "no cache, recomputing the prefix" if no_cache else "with the cache"
+    return f"{n_tokens} tokens at {n_tokens / seconds:.0f} tokens/s on {device} ({path})"
+
+
 @torch.no_grad()
 def answer_boxes(model, task, args, device, parser):
     """Greedy-decode the answer to a boxes prompt (typed, or row --seed of the test split)."""
@@ -69,18 +74,17 @@ def answer_boxes(model, task, args, device, parser):
     seconds = time.perf_counter() - start
     answer = decode(out[:out.index(EOS)] if EOS in out else out)
     print(f"prompt: {prompt_text}\nmodel : {answer}\ntruth : {truth}")
-    print(f"exact match: {'yes' if answer == truth else 'no'}; {len(out)} tokens at "
-          f"{len(out) / seconds:.0f} tokens/s on {device} "
-          f"({'no cache, recomputing the prefix' if args.no_cache else 'with the cache'})")
+    print(f"exact match: {'yes' if answer == truth else 'no'}; "
+          f"{speed(len(out), seconds, device, args.no_cache)}")
 
 
 def main(argv=None):
     parser = OneLineErrors(prog="sample.py", description=__doc__.split("\n\n")[0].strip(),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="the run whose ckpt.pt to load")
     parser.add_argument("--prompt", default=None,
-                        help="a whole sequence as space- or comma-separated token ids; "
-                             "default: a fresh example drawn with --seed")
+                        help="toy: a whole sequence as space- or comma-separated token ids; "
+                             "boxes: the prompt text; default: a fresh example drawn with --seed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh example")
     parser.add_argument("--no_cache", action="store_true",
                         help="recompute the whole prefix for every token instead of caching")
@@ -123,9 +127,8 @@ def main(argv=None):
     print(f"{run.task}, {model.config.n_layer} x {model.config.attn}, step {checkpoint['step']}:")
     print(task.describe(x[0], y[0], predictions[0]))
     n_decoded = x.size(1) - prompt_len
-    print(f"accuracy {accuracy:.2%}; {n_decoded} tokens after a {prompt_len}-token prompt at "
-          f"{n_decoded / seconds:.0f} tokens/s on {device} "
-          f"({'no cache, recomputing the prefix' if args.no_cache else 'with the cache'})")
+    print(f"accuracy {accuracy:.2%} after a {prompt_len}-token prompt; "
+          f"{speed(n_decoded, seconds, device, args.no_cache)}")
 
 
 if __name__ == "__main__":
