@@ -130,9 +130,12 @@ def learning_rate(step, args):
 
 @torch.no_grad()
 def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
-    """Loss and accuracy on fresh samples, overall and per chain depth."""
+    """Loss and accuracy on fresh samples, overall and per chain depth, and the share of
+    sequences with every scored token right. For an answer decoded greedily that share is its
+    exact match: each greedy step then sees the same prefix as here, so it writes the same token.
+    """
     model.eval()
-    total_loss, hits, counts = 0.0, {}, {}
+    total_loss, hits, counts, whole, n_sequences = 0.0, {}, {}, 0, 0
     n_batches = max(1, n_samples // batch_size)
     for _ in range(n_batches):
         x, y = task.sample(batch_size, generator)
@@ -143,6 +146,8 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
         total_loss += loss.item()
         correct = (logits.argmax(dim=-1) == y).cpu()
         scored = (y != -1).cpu()
+        whole += (correct | ~scored).all(dim=1).sum().item()
+        n_sequences += x.size(0)
         for d in depth[scored].unique().tolist():
             at_depth = scored & (depth == d)
             hits[d] = hits.get(d, 0) + correct[at_depth].sum().item()
@@ -152,6 +157,7 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
         "eval_loss": total_loss / n_batches,
         "eval_acc": sum(hits.values()) / sum(counts.values()),
         "eval_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)},
+        "eval_whole_sequences": whole / n_sequences,
     }
 
 
@@ -312,7 +318,8 @@ def main(argv=None):
                 save_checkpoint(ckpt_path, model, optimizer, args, step, train_time,
                                 data_rng, eval_rng)
                 bar.write(f"step {step}: test loss {record['eval_loss']:.4f}, "
-                          f"test accuracy {record['eval_acc']:.2%}")
+                          f"test accuracy {record['eval_acc']:.2%}, "
+                          f"whole sequences right {record['eval_whole_sequences']:.2%}")
                 window_loss, window_hits, window_count, window_steps = 0.0, 0, 0, 0
                 tick = time.perf_counter()
     except KeyboardInterrupt:

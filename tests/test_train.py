@@ -1,5 +1,6 @@
 """train.py and sample.py as a user runs them: a CPU smoke run, exact resume, and bad input."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import train
+from data import get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
@@ -109,3 +111,33 @@ def test_boxes_run_trains_and_answers_a_typed_prompt(tmp_path, monkeypatch):
     assert "exact match:" in result.stdout
     bad = run_script("sample.py", "--out_dir", "run", "--prompt", "Juggle Box A.", cwd=tmp_path)
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
+
+
+class Oracle(torch.nn.Module):
+    """Stands in for a model: logits that put all mass on the target, except where told."""
+
+    def __init__(self, vocab_size, wrong_rows=()):
+        super().__init__()
+        self.vocab_size, self.wrong_rows = vocab_size, set(wrong_rows)
+
+    def forward(self, x, y):
+        logits = torch.nn.functional.one_hot(y.clamp(min=0), self.vocab_size).float()
+        for row in self.wrong_rows:  # one wrong answer at the last scored position of the row
+            last = (y[row] != -1).nonzero()[-1, 0]
+            logits[row, last] = torch.roll(logits[row, last], 1)
+        return logits, torch.tensor(0.0)
+
+
+def test_evaluate_counts_whole_sequences_and_depths():
+    task = get_task("toy", n_blocks=4, block_len=4)
+
+    def evaluate(model):
+        return train.evaluate(model, task, n_samples=8, batch_size=8,
+                              generator=torch.Generator().manual_seed(0), device="cpu",
+                              autocast=contextlib.nullcontext())
+
+    perfect = evaluate(Oracle(task.vocab_size))
+    assert perfect["eval_acc"] == 1 and perfect["eval_whole_sequences"] == 1
+    flawed = evaluate(Oracle(task.vocab_size, wrong_rows=[0, 3]))  # 2 of 8 rows, 1 token each
+    assert flawed["eval_whole_sequences"] == 6 / 8
+    assert flawed["eval_acc_by_depth"] == {"1": 1.0, "2": 1.0, "3": 30 / 32}
