@@ -11,6 +11,7 @@ The tasks of nanoChaCAL, each behind the same small interface:
 Text tasks (boxes) also give task.prompt_and_answer(i) and task.decode(ids) for exact match.
 """
 
+import functools
 import itertools
 import math
 import os
@@ -344,6 +345,13 @@ def signature_split(version, seed):
     return set(signatures[:half]), set(signatures[half:])
 
 
+@functools.lru_cache(maxsize=4)
+def _read_dataset(path, modified):
+    # A run builds one Boxes per split from the same file; read it once (keyed by its mtime too,
+    # so a file written anew is read anew).
+    return torch.load(path)
+
+
 class Boxes:
     """Entity tracking in text, the boxes dataset of the ChaCAL paper (Section 5.2, Tables 5-6).
 
@@ -383,7 +391,7 @@ class Boxes:
         filename = f"boxes-{version}-seed{seed}-{n_train}+{n_test}.pt"
         path = os.path.join(cache_dir, filename) if cache_dir else None
         if path and os.path.exists(path):
-            data = torch.load(path)
+            data = _read_dataset(path, os.path.getmtime(path))
         else:
             train_signatures, test_signatures = signature_split(version, seed)
             data = {"train": self._generate(n_train, train_signatures, f"{seed}-train"),
