@@ -34,19 +34,22 @@ def causal_visibility(n_queries, n_keys, device):
     return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries)
 
 
-def causal_attention_weights(q, k):
-    """A = softmax(q kᵀ / √hs + M), M = -inf above the causal diagonal. Returns (B, nh, Tq, Tk)."""
+def attention_weights(q, k, causal=True):
+    """A = softmax(q kᵀ / √hs + M), M = -inf above the causal diagonal (none if not causal).
+    Returns (B, nh, Tq, Tk)."""
     scores = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)  # scaling q is cheaper than T x T
-    visible = causal_visibility(q.size(-2), k.size(-2), q.device)
-    return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    if causal:
+        visible = causal_visibility(q.size(-2), k.size(-2), q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(dim=-1)
 
 
-def standard_attention(q, k, v):
-    """Y = A V, the readable path of ordinary causal attention (ChaCAL paper, Eq. 1-2)."""
-    return causal_attention_weights(q, k) @ v
+def standard_attention(q, k, v, causal=True):
+    """Y = A V, the readable path of ordinary attention (ChaCAL paper, Eq. 1-2)."""
+    return attention_weights(q, k, causal) @ v
 
 
-def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None):
+def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True):
     """ChaCAL: Y = (1-γ)·(I - γA')⁻¹·A·V, where A' = A with its diagonal removed.
 
     Computed without any inverse, as the unit lower-triangular system (paper, Eq. 7)
@@ -64,6 +67,10 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None):
     values `past_mixed`, the new tokens solve a small triangular system of their own, and a single
     new token needs no solve at all: it is ordinary attention over the mixed values.
 
+    Without the causal mask (a bidirectional model, as for LEGO) the system is dense; it stays
+    solvable because every row of γA' sums to at most γ < 1, so I - γA' is diagonally dominant.
+    The paper names this case as future work; here it is one general solve.
+
     q, k, v: (B, nh, Tq, hs) for the new tokens; past_k, past_mixed: (B, nh, Tp, hs) or None.
     The solve runs in float32 even under autocast (CUDA has no half-precision triangular solve,
     and the chain sums benefit from the precision); float64 inputs stay float64. Returns Y
@@ -78,8 +85,14 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None):
         if past_k is not None:
             k = torch.cat([past_k.to(dtype), k], dim=-2)           # (B, nh, Tp+Tq, hs)
             values = torch.cat([past_mixed.to(dtype), values], dim=-2)
-        A = causal_attention_weights(q, k)                         # (B, nh, Tq, Tp+Tq)
+        A = attention_weights(q, k, causal)                        # (B, nh, Tq, Tp+Tq)
         rhs = A @ values                                           # (B, nh, Tq, hs)
+        if not causal:
+            if past_k is not None:
+                raise ValueError("a bidirectional ChaCAL layer has no cache: it sees every token")
+            off_diagonal = A - torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
+            eye = torch.eye(A.size(-1), dtype=dtype, device=A.device)
+            return torch.linalg.solve(eye - gamma * off_diagonal, rhs)
         n_new = q.size(-2)
         # The solver treats the diagonal as 1 (unitriangular) and ignores the upper triangle, so
         # -γA among the new tokens *is* I - γA' to it: the diagonal leaves the inverse for free.
@@ -116,11 +129,12 @@ class LayerCache:
 # The modules.
 
 class CausalSelfAttention(nn.Module):
-    """Standard multi-head causal self-attention, as in GPT-2.
+    """Standard multi-head self-attention, as in GPT-2.
 
         A = softmax(Q Kᵀ / √hs + M),   Y = A V,   out = concat_heads(Y) W_o
 
-    (Vaswani et al. 2017; ChaCAL paper Section 2.1, Eq. 1-2.) Parameter names follow GPT-2
+    (Vaswani et al. 2017; ChaCAL paper Section 2.1, Eq. 1-2.) M masks the future; a
+    bidirectional model (config.causal False, for LEGO) drops it. Parameter names follow GPT-2
     (`c_attn` holds W_q, W_k, W_v; `c_proj` is W_o) so its weights load by name.
 
     Subclasses change how the heads mix their values by overriding `mix` alone.
@@ -129,12 +143,15 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
+        self.causal = config.causal
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         # The fused kernel (flash / memory-efficient) is the fast path; the manual path shows the
         # math, and tests compare the two.
         self.fused = True
+        self.maps = None  # a list while GPT.attention_maps collects each layer's weights
+
 
     def forward(self, x, cache=None, token_ids=None, depth=0):
         B, T, C = x.size()
@@ -142,20 +159,26 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = self.mix(q, k, v, cache)                                      # (B, nh, T, hs)
+        if self.maps is not None:
+            self.maps.append(self.attention_map(q, k, token_ids, depth))  # (B, nh, T, T)
+        y = self.mix(q, k, v, cache, depth)                               # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                  # heads side by side
         return self.resid_dropout(self.c_proj(y))
 
-    def mix(self, q, k, v, cache):
+    def attention_map(self, q, k, token_ids, depth):
+        """The weights each query gives each key, (B, nh, T, T), such that Y = map @ V."""
+        return attention_weights(q, k, self.causal)
+
+    def mix(self, q, k, v, cache, depth):
         """Each head's output from its queries, keys and values: here Y = A V."""
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
         if not self.fused:
-            return standard_attention(q, k, v)
+            return standard_attention(q, k, v, self.causal)
         n_queries, n_keys = q.size(-2), k.size(-2)
-        if n_queries == n_keys:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if n_queries == n_keys or not self.causal:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         # With a cache the queries sit at the end of the keys; SDPA's is_causal aligns them at
         # the start, so pass the mask. One new token sees every key and needs none.
         mask = None if n_queries == 1 else causal_visibility(n_queries, n_keys, q.device)
@@ -178,9 +201,14 @@ class ChaCALAttention(CausalSelfAttention):
         super().__init__(config)
         self.gamma = config.gamma  # GPTConfig has checked that it lies in [0, 1)
 
-    def mix(self, q, k, v, cache):
+    def attention_map(self, q, k, token_ids, depth):
+        """(1-γ)(I - γA')⁻¹A: every path's weight summed. Solving against V = I gives it."""
+        eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
+        return chacal_attention(q, k, eye, self.gamma, causal=self.causal)
+
+    def mix(self, q, k, v, cache, depth):
         if cache is None:
-            return chacal_attention(q, k, v, self.gamma).to(v.dtype)
+            return chacal_attention(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
         if q.size(-2) > 1:  # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
             y = chacal_attention(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
             cache.append(k, (1 - self.gamma) * v + self.gamma * y)
@@ -193,8 +221,191 @@ class ChaCALAttention(CausalSelfAttention):
         return y
 
 
+class SlidingDilatedAttention(CausalSelfAttention):
+    """Sliding-Dilated-Attention, the attention of RegularGPT (Chi et al. 2023, Section 4, Eq. 1).
+
+    Layer j looks back only at the offsets {0, d, 2d, ..., (C-1)·d}, with chunk size C and
+    dilation d = C^(j // K) (K = thickness, the layers per level), and adds a learned scalar
+    r[h, s] per head h and step s = offset / d to the scores:
+
+        A[m, n] = softmax_n( q_m·k_n / √hs + r[h, (m-n)/d] )   if m-n ∈ {0, d, ..., (C-1)d}
+
+    and 0 elsewhere. Stacking levels l = 0, 1, 2, ... makes a tree: after L levels position m
+    has read every position in m - C^L + 1 .. m exactly once, in log_C T steps. This is the
+    divide-and-conquer that lets one shared layer, applied ⌈log_C T⌉ times, compute parity (or
+    any regular language) at lengths never seen in training. There are no positional
+    embeddings in RegularGPT: r and the mask are the only notion of position. Which tokens
+    each query sees, for C = 2 on eight tokens (row = query, x = attended):
+
+        level 0, d = 1      level 1, d = 2      level 2, d = 4
+        x . . . . . . .     x . . . . . . .     x . . . . . . .
+        x x . . . . . .     . x . . . . . .     . x . . . . . .
+        . x x . . . . .     x . x . . . . .     . . x . . . . .
+        . . x x . . . .     . x . x . . . .     . . . x . . . .
+        . . . x x . . .     . . x . x . . .     x . . . x . . .
+        . . . . x x . .     . . . x . x . .     . x . . . x . .
+        . . . . . x x .     . . . . x . x .     . . x . . . x .
+        . . . . . . x x     . . . . . x . x     . . . x . . . x
+
+    The paper's code computes the same tree for the last token by shrinking the sequence C-fold
+    per level; this mask form gives an output at every position instead, as a GPT needs. Keys
+    before position 0 are simply absent (the official code pads with a learned vector).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.chunk, self.thickness = config.chunk, config.thickness
+        self.offset_bias = nn.Parameter(0.02 * torch.randn(config.n_head, config.chunk))  # r
+
+    def score_bias(self, n_queries, n_keys, depth, device):
+        """(nh, Tq, Tk): r[h, step] where the query sees the key, -inf elsewhere."""
+        dilation = self.chunk ** (depth // self.thickness)
+        query_pos = torch.arange(n_keys - n_queries, n_keys, device=device).view(-1, 1)
+        offset = query_pos - torch.arange(n_keys, device=device).view(1, -1)   # (Tq, Tk)
+        step = offset // dilation
+        visible = (offset >= 0) & (offset % dilation == 0) & (step < self.chunk)
+        bias = self.offset_bias[:, step.clamp(0, self.chunk - 1)]                # (nh, Tq, Tk)
+        return bias.masked_fill(~visible, float("-inf"))
+
+    def attention_map(self, q, k, token_ids, depth):
+        scores = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)             # (B, nh, Tq, Tk)
+        bias = self.score_bias(q.size(-2), k.size(-2), depth, q.device)
+        return (scores + bias.to(q.dtype)).softmax(dim=-1)
+
+    def mix(self, q, k, v, cache, depth):
+        if cache is not None:
+            cache.append(k, v)
+            k, v = cache.keys, cache.values
+        if not self.fused:
+            return self.attention_map(q, k, None, depth) @ v
+        bias = self.score_bias(q.size(-2), k.size(-2), depth, q.device).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+class LEGOAttention(CausalSelfAttention):
+    """LEGO attention v0 (Zhang et al. 2022, Section 5, Figure 8): heads whose maps are read off
+    the token ids, and a convolution, in place of learned queries and keys.
+
+    From the raw token ids u_1..u_T, maps with no parameters at all,
+
+        (A_asso)_ij = 1[u_i = u_j]      association: each token reads every copy of itself
+        (A_cls)_ij  = 1[u_j = [CLS]]    broadcast: every token reads what [CLS] holds
+        (A_sep)_ij  = 1[u_j = [SEP]]    and likewise [SEP]
+
+    each scaled so that its rows sum to 1. Manipulation, the local pattern, is a depthwise
+    convolution of kernel 21 along the sequence. A pathway p learns only a value map W_p
+    (C -> hs), and its output takes the place of one head:
+
+        head_p    = A_p · X W_p            for p in asso, cls, sep        (B, T, hs) each
+        head_conv = DepthwiseConv21(X W_conv)
+        out       = concat(head_asso, head_cls, head_sep, head_conv) W_o
+
+    No q·kᵀ and no softmax: building a map is T x T comparisons of integers, the paper's
+    saving in Flops. One broadcast map per id in config.broadcast_ids (the task's [CLS] and
+    [SEP]; none when it is empty).
+
+    Our choices, where the paper's Appendix C (the details) is missing:
+    - each pathway is one head of hs = n_embd / n_head channels, and the pathways are
+      concatenated and projected by c_proj (W_o) as ordinary heads are, rather than summed;
+    - the maps are rebuilt in every layer from the same ids (the paper builds them once and
+      shares them; they are the same maps, and cheap);
+    - a causal model removes the future from the maps before normalising, and pads the
+      convolution with 20 zeros on the left (position i reads i-20..i); a bidirectional one
+      pads 10 on each side ('same', i-10..i+10). A row with nothing to read (a causal row
+      before [SEP]) stays all zero;
+    - called without token_ids (a module on its own), every token counts as distinct: the
+      association map is the identity and no token broadcasts;
+    - no decoding cache: LEGO is a bidirectional task.
+
+    attention_map gives (B, n_maps, T, T), the association map then the broadcast maps (and,
+    in v1, the standard heads after them). The convolution has no single map (each channel
+    has its own kernel), so it is left out.
+    """
+
+    kernel_size = 21
+    standard_heads = False  # v1 sets it: ordinary softmax heads beside the pathways
+
+    def __init__(self, config):
+        super().__init__(config)  # gives c_attn (used by v1 only), c_proj, dropout, maps
+        C, hs = config.n_embd, config.n_embd // config.n_head
+        self.broadcast_ids = tuple(config.broadcast_ids)
+        self.n_maps = 1 + len(self.broadcast_ids)  # association, then one map per broadcast id
+        # The value maps of every pathway side by side: the fixed maps' first, the conv's last.
+        self.c_value = nn.Linear(C, (self.n_maps + 1) * hs, bias=config.bias)
+        self.conv = nn.Conv1d(hs, hs, self.kernel_size, groups=hs, bias=config.bias)  # depthwise
+        n_heads_out = self.n_maps + 1 + (config.n_head if self.standard_heads else 0)
+        self.c_proj = nn.Linear(n_heads_out * hs, C, bias=config.bias)
+        if not self.standard_heads:
+            del self.c_attn  # v0 learns no queries and keys
+
+    def fixed_maps(self, token_ids):
+        """(B, n_maps, T, T) float: A_asso, then A_b for each broadcast id b; rows sum to 1."""
+        B, T = token_ids.shape
+        same = token_ids[:, :, None] == token_ids[:, None, :]                   # (B, T, T)
+        broadcast = [(token_ids == b)[:, None, :].expand(B, T, T) for b in self.broadcast_ids]
+        maps = torch.stack([same, *broadcast], dim=1).float()                   # (B, n_maps, T, T)
+        if self.causal:
+            maps = maps.tril()  # before normalising, so each row shares 1 among visible keys
+        return maps / maps.sum(dim=-1, keepdim=True).clamp(min=1)  # entries are 0/1: exact
+
+    def manipulate(self, v):
+        """The convolution pathway on its values v (B, T, hs): returns (B, 1, T, hs)."""
+        reach = self.kernel_size - 1
+        left = reach if self.causal else reach // 2          # causal: nothing from the future
+        v = F.pad(v.transpose(1, 2), (left, reach - left))   # (B, hs, T + 20)
+        return self.conv(v).transpose(1, 2).unsqueeze(1)
+
+    def attention_map(self, q, k, token_ids, depth):
+        """The fixed maps, then (v1, q and k not None) the standard heads' softmax weights."""
+        maps = self.fixed_maps(token_ids)
+        if q is None:
+            return maps
+        return torch.cat([maps.to(q.dtype), attention_weights(q, k, self.causal)], dim=1)
+
+    def forward(self, x, cache=None, token_ids=None, depth=0):
+        if cache is not None:
+            raise ValueError("--attn lego_v0/lego_v1 keep no decoding cache; generate with "
+                             "use_cache=False")
+        B, T, C = x.size()
+        hs = C // self.n_head
+        if token_ids is None:  # a module on its own: negative ids, all distinct, none broadcast
+            token_ids = torch.arange(-T, 0, device=x.device).expand(B, T)
+        values = self.c_value(x).view(B, T, self.n_maps + 1, hs).transpose(1, 2)
+        maps = self.fixed_maps(token_ids).to(values.dtype)                  # (B, n_maps, T, T)
+        heads = [maps @ values[:, :-1], self.manipulate(values[:, -1])]     # (B, ., T, hs)
+        q = k = None
+        if self.standard_heads:
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+            k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+            v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+            heads.append(self.mix(q, k, v, None, depth))
+        if self.maps is not None:
+            self.maps.append(self.attention_map(q, k, token_ids, depth))
+        y = torch.cat(heads, dim=1)                     # (B, n_maps + 1 [+ nh], T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)         # heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class LEGOAttentionV1(LEGOAttention):
+    """LEGO attention v1 (Figure 8, pathways (a), (b) and (c)): v0's pathways beside n_head
+    ordinary softmax heads, all concatenated, then projected by c_proj.
+
+    Our choice: v1 keeps all n_head standard heads and adds the pathways as extra heads, so
+    c_proj reads (n_head + n_maps + 1) · hs channels. The paper's v1 is smaller than BERT, so it
+    must replace some heads, but how many is in the missing Appendix C. Keeping them all makes
+    v1 exactly standard attention plus the pathways (a comparison isolates what they add), and
+    v1 fits every --n_head / --n_embd that standard attention fits.
+    """
+
+    standard_heads = True
+
+
 # The --attn name of each variant.
 ATTENTIONS = {
     "standard": CausalSelfAttention,
     "chacal": ChaCALAttention,
+    "dilated": SlidingDilatedAttention,
+    "lego_v0": LEGOAttention,
+    "lego_v1": LEGOAttentionV1,
 }

@@ -478,11 +478,533 @@ class Boxes:
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Regular languages: the twelve length-generalisation tasks of RegularGPT (Chi et al. 2023,
+# Table 1): four from Deletang et al.'s Chomsky-hierarchy suite, and Bhattamishra et al.'s D_n and
+# Tomita languages recast as recognition. One label per sequence, at its last position; train on
+# short strings, test on every longer length.
+
+
+class LabelAtEnd:
+    """What the twelve regular-language tasks share: one label per sequence, at its last token.
+
+    The vocabulary is the input symbols, then the class tokens, so a GPT's LM head reads the
+    label out. A batch has one length, drawn uniformly from train_lengths unless sample() is
+    given one. Only the last position is scored; for parity at length 5:
+
+        x   0   1   1   0   1       token ids 0 1 1 0 1
+        y  -1  -1  -1  -1  odd      "odd" is token 3 (after the symbols 0, 1 and the class even)
+
+    A subclass names its symbols and classes, labels a batch in _draw (torch), and labels one
+    string in answer() by a separate plain-Python route, which solve() uses.
+    """
+
+    name, symbols, classes = None, [], []
+    default_lengths = (40, 500)  # (longest training length, longest test length)
+
+    def __init__(self, max_train_length=None, max_test_length=None):
+        train_max = self.default_lengths[0] if max_train_length is None else max_train_length
+        test_max = self.default_lengths[1] if max_test_length is None else max_test_length
+        if train_max < 1:
+            raise ValueError(f"--max_train_length {train_max} must be at least 1")
+        if test_max <= train_max:
+            raise ValueError(f"--max_test_length {test_max} must exceed --max_train_length "
+                             f"{train_max}: test lengths start right after the training ones")
+        self.train_lengths = range(1, train_max + 1)
+        self.test_lengths = range(train_max + 1, test_max + 1)
+        self.block_size = test_max
+        self.vocab = list(self.symbols) + list(self.classes)
+        self.vocab_size = len(self.vocab)
+
+    def sample(self, batch_size, generator=None, length=None):
+        if length is None:  # drawn with the data's generator, so a seeded run repeats
+            pick = torch.randint(len(self.train_lengths), (1,), generator=generator).item()
+            length = self.train_lengths[pick]
+        if length < 1:
+            raise ValueError(f"{self.name}: length {length} must be at least 1")
+        x, labels = self._draw(batch_size, length, generator)
+        y = torch.full_like(x, -1)
+        y[:, -1] = labels + len(self.symbols)  # class k is token len(symbols) + k
+        return x, y
+
+    def chain_depth(self, x):
+        # One state update per token: train.py's accuracy by depth becomes accuracy by length.
+        return torch.full_like(x, x.size(1))
+
+    def solve(self, x):
+        """Labels of x (B, T) from answer(), one string at a time: the tests' reference."""
+        y = torch.full_like(x, -1)
+        for row, ids in enumerate(x.tolist()):
+            y[row, -1] = self.vocab.index(self.answer([self.vocab[i] for i in ids]))
+        return y
+
+    def decode(self, ids):
+        return " ".join(self.vocab[int(i)] for i in ids)
+
+    def describe(self, x, y=None, predictions=None):
+        """Two lines about one sequence x (T,): the string (middle cut if long) and labels."""
+        words = [self.vocab[i] for i in x.tolist()]
+        if len(words) > 60:
+            words = words[:28] + ["…"] + words[-28:]
+        glue = "" if all(len(s) == 1 for s in self.symbols) else " "
+        truth = self.vocab[int(self.solve(x[None])[0, -1] if y is None else y[-1])]
+        line = f"{self.name}, length {x.size(0)}: {glue.join(words)}\ntruth {truth}"
+        if predictions is not None:
+            guess = self.vocab[int(predictions[-1])]
+            line += f", model {guess} ({'right' if guess == truth else 'wrong'})"
+        return line
+
+
+class EvenPairs(LabelAtEnd):
+    """Even pairs: is the number of neighbouring pairs that differ (01 or 10) even or odd?
+
+    Bits are uniform. Vocabulary 0 1 even odd. The count is odd exactly when the first and last
+    bits differ, so two tokens decide it. Lengths: train 1..40, test 41..500.
+
+        even_pairs example: 0 1 1 0 1 -> odd
+    (pairs 01, 11, 10, 01: three differ.)
+    """
+
+    name, symbols, classes = "even_pairs", ["0", "1"], ["even", "odd"]
+
+    def _draw(self, batch_size, length, generator):
+        bits = torch.randint(0, 2, (batch_size, length), generator=generator)
+        return bits, (bits[:, 0] != bits[:, -1]).long()
+
+    def answer(self, symbols):
+        changes = sum(a != b for a, b in itertools.pairwise(symbols))
+        return self.classes[changes % 2]
+
+
+class Parity(LabelAtEnd):
+    """Parity check: is the number of 1s even or odd?
+
+    Each bit is 1 with probability p_one (0.5 by default; the paper's Table 2 tries 0.1..0.9
+    without saying for which split: we use it for both). Vocabulary 0 1 even odd.
+    Lengths: train 1..40, test 41..500.
+
+        parity example: 0 1 1 0 1 -> odd
+    """
+
+    name, symbols, classes = "parity", ["0", "1"], ["even", "odd"]
+
+    def __init__(self, p_one=0.5, max_train_length=None, max_test_length=None):
+        if not 0 < p_one < 1:
+            raise ValueError(f"--p_one {p_one} must lie in (0, 1)")
+        super().__init__(max_train_length, max_test_length)
+        self.p_one = p_one
+
+    def _draw(self, batch_size, length, generator):
+        bits = (torch.rand(batch_size, length, generator=generator) < self.p_one).long()
+        return bits, bits.sum(1) % 2
+
+    def answer(self, symbols):
+        return self.classes["".join(symbols).count("1") % 2]
+
+
+class CycleNavigation(LabelAtEnd):
+    """Cycle navigation: walk on a cycle of 5 positions from 0; where do you end?
+
+    Moves left (-1), stay (0) and right (+1) are uniform. Vocabulary left stay right, then the
+    final positions =0 =1 =2 =3 =4. Lengths: train 1..40, test 41..500.
+
+        cycle_navigation example: left left stay right left -> =3
+    (-1 -1 +0 +1 -1 = -2, and -2 mod 5 = 3.)
+    """
+
+    name, symbols = "cycle_navigation", ["left", "stay", "right"]
+    classes = [f"={k}" for k in range(5)]
+
+    def _draw(self, batch_size, length, generator):
+        moves = torch.randint(0, 3, (batch_size, length), generator=generator)
+        return moves, (moves - 1).sum(1) % 5  # token id - 1 is the move; torch's % is >= 0
+
+    def answer(self, symbols):
+        return f"={(symbols.count('right') - symbols.count('left')) % 5}"
+
+
+class ModularArithmetic(LabelAtEnd):
+    """Modular arithmetic: the value, mod 5, of an expression over the digits 0..4 with + - *.
+
+    Digits and operators are uniform; * binds before + and -, and the value is taken mod 5 in
+    Python's sense (never negative). An odd length T is n0 op n1 ... op nk; an even length gets
+    a leading +, as in the RegularGPT fork, so every length is valid and an even string is
+    (op, digit) pairs. Vocabulary 0 1 2 3 4 + - * =0 =1 =2 =3 =4. Lengths: train 1..40, test
+    41..500.
+
+        modular_arithmetic example: 3 - 4 * 2 + 1 -> =1
+        modular_arithmetic example: + 3 - 4 * 2 + 1 -> =1
+    (3 - 8 + 1 = -4, and -4 mod 5 = 1.)
+    """
+
+    name = "modular_arithmetic"
+    symbols = ["0", "1", "2", "3", "4", "+", "-", "*"]
+    classes = [f"={k}" for k in range(5)]
+    PLUS, MINUS, TIMES = 5, 6, 7  # token ids of the operators
+
+    def _draw(self, batch_size, length, generator):
+        n_digits, leading_plus = (length + 1) // 2, length % 2 == 0
+        digits = torch.randint(0, 5, (batch_size, n_digits), generator=generator)
+        ops = torch.randint(self.PLUS, self.TIMES + 1, (batch_size, n_digits), generator=generator)
+        ops[:, 0] = self.PLUS  # the first digit is always added, whether or not a + is shown
+        pairs = torch.stack([ops, digits], dim=2).view(batch_size, 2 * n_digits)  # op, digit, ...
+        x = pairs if leading_plus else pairs[:, 1:]
+
+        # Left to right: `total` holds the finished terms, `term` the product being built.
+        # + and - close the term and open a new one with their sign; * extends it.
+        total = term = torch.zeros(batch_size, dtype=torch.long)
+        for k in range(n_digits):
+            times = ops[:, k] == self.TIMES
+            total = torch.where(times, total, total + term) % 5
+            signed = torch.where(ops[:, k] == self.MINUS, -digits[:, k], digits[:, k])
+            term = torch.where(times, term * digits[:, k], signed) % 5
+        return x, (total + term) % 5
+
+    def answer(self, symbols):
+        return f"={eval(' '.join(symbols), {'__builtins__': {}}) % 5}"  # our tokens only
+
+
+class DFARecognition(LabelAtEnd):
+    """Recognition of a regular language given by a DFA: label yes (a member) or no.
+
+    Batches are balanced: half members, half not, shuffled, whenever the length has both;
+    all one class when it has only one (e.g. D_n at odd lengths has no members).
+
+    Members are UNIFORM among the members of that exact length: count, for each DFA state q and
+    remaining length r, the strings of length r that lead from q to acceptance, then write left
+    to right, picking each symbol in proportion to the count of the state it leads to. The
+    papers' generators are not uniform (the RegularGPT fork's D_n puts about 3/4 of the string
+    into a deep first nest); uniform is fixed by the language alone, reaches every member, and
+    leaves no generator habit (a deep first nest means yes) to learn instead of the language.
+    Non-members are uniform among non-members, the distribution the papers get by rejecting
+    members from uniform random strings, drawn by the same walk on the complement (no resampling
+    loop). Random non-members are rarely near-misses: easier than membership in general.
+
+    The DFA serves sample() only; answer() checks membership in plain Python (is_member).
+    Lengths: train 1..50, test 51..100.
+    """
+
+    classes = ["no", "yes"]
+    default_lengths = (50, 100)
+
+    def __init__(self, transitions, accepting, max_train_length=None, max_test_length=None):
+        super().__init__(max_train_length, max_test_length)
+        self.transitions = torch.tensor(transitions)  # (states, symbols): next state; start is 0
+        accepts = torch.zeros(len(transitions), dtype=torch.bool)
+        accepts[list(accepting)] = True
+        # _counts[want][r][q] is proportional to the number of strings of length r that lead
+        # from state q to an accepting state (want=True) or to a rejecting one (want=False).
+        self._counts = {True: [accepts.double()], False: [(~accepts).double()]}
+
+    def _completions(self, want, length):
+        table = self._counts[want]
+        while len(table) <= length:
+            # A string of length r from q is a symbol s, then a string of length r-1 from δ(q, s).
+            counts = table[-1][self.transitions].sum(1)
+            table.append(counts / counts.max())  # rescaled (only ratios matter): no overflow
+        return table
+
+    def _walk(self, n, length, want, generator):
+        """n strings of this length, uniform among members (want=True) or non-members."""
+        completions = self._completions(want, length)
+        x = torch.zeros(n, length, dtype=torch.long)
+        state = torch.zeros(n, dtype=torch.long)
+        for t in range(length):
+            weights = completions[length - t - 1][self.transitions[state]]  # (n, symbols)
+            x[:, t] = torch.multinomial(weights, 1, generator=generator).squeeze(1)
+            state = self.transitions[state, x[:, t]]
+        return x
+
+    def _draw(self, batch_size, length, generator):
+        has = {want: self._completions(want, length)[length][0] > 0 for want in (True, False)}
+        n_yes = batch_size // 2 if has[True] and has[False] else batch_size * int(has[True])
+        x = torch.cat([self._walk(n_yes, length, True, generator),
+                       self._walk(batch_size - n_yes, length, False, generator)])
+        labels = (torch.arange(batch_size) < n_yes).long()
+        order = torch.randperm(batch_size, generator=generator)
+        return x[order], labels[order]
+
+    def answer(self, symbols):
+        return "yes" if self.is_member("".join(symbols)) else "no"
+
+
+class BoundedDyck(DFARecognition):
+    """D_n: balanced brackets never nested deeper than n (Bhattamishra et al.; d2, d3, d4, d12).
+
+    a opens, b closes; a member never closes more than it opened, never goes deeper than n, and
+    ends at depth 0. D_1 = (ab)*, D_2 = (a(ab)*b)*. Vocabulary a b no yes. The DFA's states are
+    the depths 0..n, plus a dead state for either mistake.
+
+        d2 example: a a b a b b a b -> yes
+        d2 example: a a a b b b -> no
+    (the second reaches depth 3.)
+    """
+
+    symbols = ["a", "b"]
+
+    def __init__(self, max_depth, max_train_length=None, max_test_length=None):
+        self.name, self.max_depth, dead = f"d{max_depth}", max_depth, max_depth + 1
+        transitions = [[depth + 1 if depth < max_depth else dead, depth - 1 if depth > 0 else dead]
+                       for depth in range(max_depth + 1)] + [[dead, dead]]
+        super().__init__(transitions, [0], max_train_length, max_test_length)
+
+    def is_member(self, text):
+        depth = 0
+        for bracket in text:
+            depth += 1 if bracket == "a" else -1
+            if not 0 <= depth <= self.max_depth:
+                return False
+        return depth == 0
+
+
+class Tomita(DFARecognition):
+    """Tomita grammars 3 to 6 over 0 1 (Bhattamishra et al.; tomita3..tomita6).
+
+    T3: no odd-length run of 1s directly followed by an odd-length run of 0s.
+    T4: no 000 anywhere.  T5: an even number of 0s and an even number of 1s.
+    T6: (number of 0s - number of 1s) divisible by 3.  Vocabulary 0 1 no yes.
+
+        tomita3 example: 1 1 1 0 0 1 1 -> yes
+        tomita3 example: 0 1 0 1 1 -> no
+        tomita4 example: 1 0 0 1 0 0 -> yes
+        tomita4 example: 1 0 0 0 1 -> no
+        tomita5 example: 0 1 1 0 -> yes
+        tomita5 example: 0 1 1 1 -> no
+        tomita6 example: 0 0 1 1 1 1 1 -> yes
+        tomita6 example: 0 1 1 -> no
+    """
+
+    symbols = ["0", "1"]
+    # (transitions, accepting): row q lists the next state after reading 0 and after 1.
+    DFAS = {
+        # 0 fine, 1 in an odd run of 1s, 2/3 an even/odd run of 0s after one, 4 dead.
+        3: ([[0, 1], [3, 0], [3, 1], [2, 4], [4, 4]], [0, 1, 2]),
+        # the number of 0s just read, 0..2; 3 dead.
+        4: ([[1, 0], [2, 0], [3, 0], [3, 3]], [0, 1, 2]),
+        # 2 * (odd number of 0s) + (odd number of 1s).
+        5: ([[2, 1], [3, 0], [0, 3], [1, 2]], [0]),
+        # (number of 0s - number of 1s) mod 3.
+        6: ([[1, 2], [2, 0], [0, 1]], [0]),
+    }
+
+    def __init__(self, number, max_train_length=None, max_test_length=None):
+        self.name, self.number = f"tomita{number}", number
+        super().__init__(*self.DFAS[number], max_train_length, max_test_length)
+
+    def is_member(self, text):
+        zeros, ones = text.count("0"), text.count("1")
+        if self.number == 3:
+            runs = [(bit, len(list(run))) for bit, run in itertools.groupby(text)]
+            return not any(bit == "1" and n % 2 == 1 and next_n % 2 == 1
+                           for (bit, n), (_, next_n) in itertools.pairwise(runs))
+        if self.number == 4:
+            return "000" not in text
+        if self.number == 5:
+            return zeros % 2 == 0 and ones % 2 == 0
+        return (zeros - ones) % 3 == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# LEGO, Learning Equality and Group Operations (Zhang et al. 2022, Sections 2-4): a chain of
+# assignments written in shuffled order, every variable's value asked for at once.
+
+# Each group acts on its values by permutations: (op tokens, value tokens, images), where
+# images[g][v] is the value that op g sends value v to. S3's ops are named by their images:
+# p120 sends 0 to 1, 1 to 2 and 2 to 0; p012 is the identity.
+LEGO_GROUPS = {
+    "z2": (["+", "-"], ["0", "1"], [[0, 1], [1, 0]]),
+    "s3": (["p" + "".join(map(str, p)) for p in itertools.permutations(range(3))], ["0", "1", "2"],
+           [list(p) for p in itertools.permutations(range(3))]),
+}
+LEGO_WORDS = ["[CLS]", "[SEP]", "=", ","] + list("abcdefghijklmnopqrstuvwxyz")
+LEGO_CLS, LEGO_SEP, LEGO_EQUALS, LEGO_COMMA, LEGO_FIRST_VARIABLE = range(5)
+
+
+class LEGO:
+    """LEGO (Zhang et al. 2022): resolve a chain of n assignments written in shuffled order.
+
+    A sentence is n clauses (n_vars, 12 by default), each five tokens `var = op arg ,`, between
+    [CLS] and [SEP]: 5n + 2 tokens. The n variables are distinct letters of a..z. The chain's
+    root assigns an op applied to a value (`b = + 1 ,` sets b to 1); every other clause applies
+    an op to the variable of the clause before it in the chain (`c = - b ,` sets c to -b, the
+    flip of b). The clauses are then shuffled, root included: the chain is only found by
+    matching equal variable names anywhere in the sentence.
+
+    group="z2", the paper's Task 1: ops + (keep) and - (flip) on the values 0 and 1.
+    group="s3", Task 2: the six permutations of the values 0 1 2 (p012 ... p210, see
+    LEGO_GROUPS); `y = p120 x ,` sets y to where p120 sends the value of x.
+    Ops, the root's value and the variables are uniform, so each variable is uniform too.
+
+    Worked example, z2, n = 3: the sentence [CLS] a = - c , b = + 1 , c = - b , [SEP] (the
+    chain b -> c -> a), its labels y (value tokens; "-" is -1, not scored) and chain_depth:
+
+        position  0        1  2  3  4  5  6  7  8  9 10 11 12 13 14 15  16
+        token     [CLS]    a  =  -  c  ,  b  =  +  1  ,  c  =  -  b  ,  [SEP]
+        y         -        1  -  -  -  -  1  -  -  -  -  0  -  -  -  -  -
+        chain     -        2  -  -  -  -  0  -  -  -  -  1  -  -  -  -  -
+
+    b = +1 = 1 is the root (chain #0), c = -b = 0 is #1, a = -c = 1 is #2. Labels sit on each
+    clause's first token, its left-hand variable; chain_depth(x) gives its chain position
+    there and -1 elsewhere. The first clause, a's, needs c, written after it: a causal model
+    cannot know a when it reads it, so LEGO wants a bidirectional, BERT-like model (train.py
+    --bidirectional), as in the paper.
+
+    Vocabulary: [CLS] [SEP] = , a..z, then the group's ops, then its values: 34 tokens for
+    z2, 39 for s3. broadcast_ids = ([CLS], [SEP]) for LEGO attention; values = the value
+    token ids, the only possible labels.
+
+    Scored: every chain position, or #0..#n_supervised-1 only (the paper trains on #0..#5 of
+    12 and tests all 12: length extrapolation); supervise_last also trains on #n-1 (Section
+    4.3's shortcut experiment, #0..#4 plus #11). train.py tests with every position scored, and
+    its accuracy by depth is then accuracy per chain position, the curves of Figure 3.
+    Sentences are fresh every batch (the paper draws a fixed 120k set once).
+    """
+
+    def __init__(self, group="z2", n_vars=12, n_supervised=None, supervise_last=False):
+        if group not in LEGO_GROUPS:
+            raise ValueError(f"--group {group!r}: choose {' or '.join(LEGO_GROUPS)}")
+        if n_vars < 1:
+            raise ValueError(f"--n_vars {n_vars} must be at least 1")
+        if n_vars > 26:
+            raise ValueError(f"--n_vars {n_vars} exceeds the 26 variables a..z")
+        if n_supervised is not None and not 1 <= n_supervised <= n_vars:
+            raise ValueError(f"--n_supervised {n_supervised} must lie in 1..{n_vars} (--n_vars), "
+                             f"or be left unset to train on every chain position")
+        self.group, self.n_vars = group, n_vars
+        self.ops, self.value_words, images = LEGO_GROUPS[group]
+        self.images = torch.tensor(images)                     # (ops, values)
+        self.vocab = LEGO_WORDS + self.ops + self.value_words
+        self.token_ids = {word: i for i, word in enumerate(self.vocab)}
+        self.vocab_size, self.block_size = len(self.vocab), 5 * n_vars + 2
+        self.first_op = len(LEGO_WORDS)
+        self.first_value = self.first_op + len(self.ops)
+        self.values = list(range(self.first_value, self.vocab_size))  # label token ids
+        self.broadcast_ids = (LEGO_CLS, LEGO_SEP)
+        # Which chain positions are trained on.
+        self.supervised = torch.arange(n_vars) < (n_supervised or n_vars)
+        if supervise_last:
+            self.supervised[-1] = True
+
+    def sample(self, batch_size, generator=None):
+        B, n = batch_size, self.n_vars
+        n_ops, n_values = self.images.shape
+        # The chain: distinct variables (the first n of a shuffled a..z), an op per clause, and
+        # the value the root's op acts on.
+        variables = torch.rand(B, 26, generator=generator).argsort(dim=1)[:, :n]   # (B, n)
+        ops = torch.randint(n_ops, (B, n), generator=generator)
+        root_value = torch.randint(n_values, (B,), generator=generator)
+        values = torch.empty(B, n, dtype=torch.long)
+        previous = root_value
+        for i in range(n):  # walk the chain: clause i's op acts on the value before it
+            values[:, i] = self.images[ops[:, i], previous]
+            previous = values[:, i]
+
+        # Clause i in tokens; its argument is the root's value, or the previous variable.
+        variable_ids = variables + LEGO_FIRST_VARIABLE
+        args = torch.cat([root_value[:, None] + self.first_value, variable_ids[:, :-1]], dim=1)
+        equals, comma = torch.full((B, n), LEGO_EQUALS), torch.full((B, n), LEGO_COMMA)
+        clauses = torch.stack([variable_ids, equals, ops + self.first_op, args, comma],
+                              dim=2)                                            # (B, n, 5)
+        labels = torch.where(self.supervised, values + self.first_value, -1)    # (B, n)
+
+        # Shuffle: slot s of the sentence holds chain clause order[:, s].
+        order = torch.rand(B, n, generator=generator).argsort(dim=1)
+        clauses = clauses.gather(1, order[:, :, None].expand(B, n, 5))
+        x = torch.cat([torch.full((B, 1), LEGO_CLS), clauses.view(B, 5 * n),
+                       torch.full((B, 1), LEGO_SEP)], dim=1)                    # (B, 5n + 2)
+        y = torch.full_like(x, -1)
+        y[:, 1:-1:5] = labels.gather(1, order)  # on each clause's left-hand variable
+        return x, y
+
+    def chain_depth(self, x):
+        """(B, T): at each clause's left-hand variable its chain position (0 for the root's
+        clause, 1 for the clause reading it, ...), -1 elsewhere. Read from x alone."""
+        B, n = x.size(0), self.n_vars
+        clauses = x[:, 1:-1].reshape(B, n, 5)
+        defined, argument = clauses[:, :, 0], clauses[:, :, 3]
+        is_root = argument >= self.first_value
+        # parent[s]: the slot whose variable clause s reads (an arbitrary one for the root).
+        parent = (argument[:, :, None] == defined[:, None, :]).long().argmax(dim=2)
+        position = torch.zeros(B, n, dtype=torch.long, device=x.device)
+        for _ in range(n - 1):  # after k rounds, every clause within k steps of the root is right
+            position = torch.where(is_root, 0, position.gather(1, parent) + 1)
+        depth = torch.full_like(x, -1)
+        depth[:, 1:-1:5] = position
+        return depth
+
+    @staticmethod
+    def apply(op, value):
+        """What op (its token) does to a value (an int): + keeps, - flips, pABC sends v to
+        digit v of ABC."""
+        if op in "+-":
+            return value if op == "+" else 1 - value
+        return int(op[1 + value])
+
+    def solve(self, x):
+        """Labels of x (B, T) by hand: read each row's clauses as words, then pass over them
+        again and again, setting every variable whose argument is known, until all are. Every
+        left-hand variable is labelled (no supervision mask): the tests' reference."""
+        y = torch.full_like(x, -1)
+        for row, ids in enumerate(x.tolist()):
+            words = [self.vocab[i] for i in ids[1:-1]]
+            clauses = [words[s:s + 5] for s in range(0, len(words), 5)]
+            known = {}
+            while len(known) < len(clauses):
+                n_known = len(known)
+                for variable, _, op, argument, _ in clauses:
+                    if argument in self.value_words:
+                        known[variable] = self.apply(op, int(argument))
+                    elif argument in known:
+                        known[variable] = self.apply(op, known[argument])
+                if len(known) == n_known:
+                    raise ValueError(f"lego: row {row} is not one chain: {' '.join(words)}")
+            for s, clause in enumerate(clauses):
+                y[row, 1 + 5 * s] = self.token_ids[str(known[clause[0]])]
+        return y
+
+    def encode(self, text):
+        """Token ids (T,) of a sentence written as space-separated tokens."""
+        unknown = [word for word in text.split() if word not in self.token_ids]
+        if unknown:
+            raise ValueError(f"lego ({self.group}): tokens outside the vocabulary: {unknown[:5]}")
+        return torch.tensor([self.token_ids[word] for word in text.split()])
+
+    def decode(self, ids):
+        return " ".join(self.vocab[int(i)] for i in ids)
+
+    def describe(self, x, y=None, predictions=None):
+        """Lines about one sentence x (T,): the sentence, then every variable's value in chain
+        order, truth (from solve) and model; only positions y scores are counted (all if None)."""
+        truth, depth = self.solve(x[None])[0], self.chain_depth(x[None])[0]
+        slots = sorted(range(1, x.size(0) - 1, 5), key=lambda t: int(depth[t]))  # chain order
+
+        def chain(labels):
+            return "  ".join(f"#{k} {self.vocab[int(x[t])]}={self.vocab[int(labels[t])]}"
+                             for k, t in enumerate(slots))
+
+        lines = [f"sentence: {self.decode(x)}", f"truth   : {chain(truth)}"]
+        if predictions is not None:
+            scored = [t for t in slots if y is None or y[t] != -1]
+            hits = sum(int(predictions[t] == truth[t]) for t in scored)
+            lines.append(f"model   : {chain(predictions)}  ({hits}/{len(scored)} scored right)")
+        return "\n".join(lines)
+
+
 # The --task name of each task.
 TASKS = {
     "toy": PointerChains,
     "boxes": Boxes,
+    "even_pairs": EvenPairs,
+    "parity": Parity,
+    "cycle_navigation": CycleNavigation,
+    "modular_arithmetic": ModularArithmetic,
+    **{f"d{n}": functools.partial(BoundedDyck, n) for n in (2, 3, 4, 12)},
+    **{f"tomita{n}": functools.partial(Tomita, n) for n in (3, 4, 5, 6)},
+    "lego": LEGO,
 }
+# The tasks of the RegularGPT paper's Table 1: one label at the end, tested at unseen lengths.
+REGULAR_LANGUAGES = ["even_pairs", "parity", "cycle_navigation", "modular_arithmetic",
+                     "d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6"]
 
 
 def get_task(name, **options):

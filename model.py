@@ -4,6 +4,12 @@ A GPT-2 style transformer whose attention is chosen per layer (standard, ChaCAL,
 Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP,
 as GPT-2 and nanoGPT; parameter names follow GPT-2 so its weights load by name. The model knows
 nothing about tasks: it maps token ids to logits, and ignores targets equal to -1 in the loss.
+
+Three options from the papers, each usable with any attention:
+- weight sharing (ALBERT; RegularGPT): `thickness` distinct blocks, reused at every depth;
+- depth that follows the input: adaptive (RegularGPT: ⌈log_chunk T⌉ levels, so a longer input
+  gets more layers) or stochastic (LEGO: drawn per training batch, fixed at test);
+- no positional embeddings (RegularGPT), and a bidirectional, BERT-like mode (LEGO).
 """
 
 import math
@@ -25,8 +31,18 @@ class GPTConfig:
     n_embd: int = 128       # width of the residual stream; the MLP is 4x wider, as GPT-2
     dropout: float = 0.0    # dropout on embeddings and residual branches; 0 in every paper run
     bias: bool = True       # biases in Linear and LayerNorm layers, as GPT-2
-    attn: str = "chacal"    # attention of every layer ("chacal"), or one per layer ("standard,chacal")
+    attn: str = "chacal"    # attention of every block ("chacal"), or one per block ("standard,chacal")
     gamma: float = 0.9      # ChaCAL's γ in [0, 1): 0 is standard attention, the paper uses 0.9
+    causal: bool = True     # False: every token sees every other (BERT-like, for LEGO); no decoding
+    pos: str = "learned"    # "learned" absolute positions (GPT-2), or "none" (RegularGPT), which
+                            # lets a model run at lengths it never saw
+    share_weights: bool = False  # reuse `thickness` distinct blocks at every depth (ALBERT)
+    thickness: int = 1      # K: distinct blocks when sharing; Sliding-Dilated layers per dilation
+    chunk: int = 2          # C: Sliding-Dilated-Attention's chunk size, and adaptive depth's base
+    adaptive_depth: bool = False  # K·L layers, L the smallest >= 1 with chunk^L >= T, per batch
+    min_train_layers: int = 0     # stochastic depth: if > 0, each training batch runs a depth
+                                  # drawn uniformly in min_train_layers..n_layer; tests n_layer
+    broadcast_ids: tuple = ()     # LEGO attention: token ids every token reads ([CLS], [SEP])
 
     def __post_init__(self):
         # Fail here, at construction, with the flag's name, rather than deep inside a forward.
@@ -35,19 +51,52 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"--attn: unknown attention {unknown[0]!r}; choose from "
                              f"{', '.join(ATTENTIONS)}, or a comma list with one per layer")
-        if len(names) != self.n_layer:
-            raise ValueError(f"--attn lists {len(names)} attentions ({self.attn}) but --n_layer is "
-                             f"{self.n_layer}; give one name for all layers or one per layer")
+        if len(names) != self.n_blocks():
+            what = "--thickness (distinct shared blocks)" if self.share_weights else "--n_layer"
+            raise ValueError(f"--attn lists {len(names)} attentions ({self.attn}) but {what} is "
+                             f"{self.n_blocks()}; give one name for all layers or one per layer")
         if not 0.0 <= self.gamma < 1.0:
             raise ValueError(f"--gamma {self.gamma} is outside [0, 1); the paper uses 0.9")
         if self.n_layer < 1 or self.n_head < 1 or self.n_embd % self.n_head:
             raise ValueError(f"--n_embd {self.n_embd} must be a positive multiple of "
                              f"--n_head {self.n_head}, and --n_layer at least 1")
+        if self.pos not in ("learned", "none"):
+            raise ValueError(f"--pos {self.pos!r}: choose learned or none")
+        if self.chunk < 2:
+            raise ValueError(f"--chunk {self.chunk} must be at least 2: a chunk of 1 never looks "
+                             f"past the token itself")
+        if self.thickness < 1 or (self.thickness > 1 and not self.share_weights
+                                  and "dilated" not in names):
+            raise ValueError(f"--thickness {self.thickness} must be >= 1, and only means something "
+                             f"with --share_weights or --attn dilated")
+        if self.adaptive_depth and not self.share_weights:
+            raise ValueError("--n_layer auto (adaptive depth) needs --share_weights: a depth that "
+                             "grows with the input must reuse the same blocks")
+        if self.min_train_layers and (not self.share_weights or self.adaptive_depth
+                                      or not 1 <= self.min_train_layers <= self.n_layer):
+            raise ValueError(f"--min_train_layers {self.min_train_layers} (stochastic depth) needs "
+                             f"--share_weights, a fixed --n_layer, and 1 <= it <= --n_layer "
+                             f"{self.n_layer}")
+        if not self.causal and "dilated" in names:
+            raise ValueError("--bidirectional: Sliding-Dilated-Attention only looks back; "
+                             "drop --bidirectional or pick another --attn")
+
+    def n_blocks(self):
+        """Distinct blocks (with their own weights): thickness when shared, else n_layer."""
+        return self.thickness if self.share_weights else self.n_layer
 
     def attention_per_layer(self):
-        """The attention name of each layer, e.g. 'standard,chacal' -> ['standard', 'chacal']."""
+        """The attention name of each distinct block, e.g. 'standard,chacal' -> [standard, chacal]."""
         names = [name.strip() for name in self.attn.split(",")]
-        return names * self.n_layer if len(names) == 1 else names
+        return names * self.n_blocks() if len(names) == 1 else names
+
+
+def adaptive_levels(length, chunk):
+    """The smallest L >= 1 with chunk^L >= length, in integers (math.log(125, 5) is 3.0000000000000004)."""
+    levels, reach = 1, chunk
+    while reach < length:
+        levels, reach = levels + 1, reach * chunk
+    return levels
 
 
 class MLP(nn.Module):
@@ -86,11 +135,12 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, name) for name in config.attention_per_layer()]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
+        if config.pos == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied embeddings, as GPT-2
 
@@ -113,9 +163,36 @@ class GPT(nn.Module):
         """Parameters, the tied embedding counted once (the paper's "Size" column)."""
         return sum(p.numel() for p in self.parameters())
 
+    def attention_maps(self, idx):
+        """The attention weights of every layer run on idx (B, T), in order: a list of
+        (B, nh, T, T), differentiable (mimicking trains them). Shared blocks give one per use."""
+        maps = []
+        for block in self.transformer.h:
+            block.attn.maps = maps
+        try:
+            self(idx)
+        finally:
+            for block in self.transformer.h:
+                block.attn.maps = None
+        return maps
+
+    def n_layers_for(self, length):
+        """How many layers run on an input of this length: fixed, adaptive, or stochastic."""
+        config = self.config
+        if config.adaptive_depth:
+            return config.thickness * adaptive_levels(length, config.chunk)
+        if self.training and config.min_train_layers:
+            return int(torch.randint(config.min_train_layers, config.n_layer + 1, ()))
+        return config.n_layer
+
     def new_caches(self):
         """One empty LayerCache per layer, to pass to forward() when decoding."""
-        return [LayerCache() for _ in self.transformer.h]
+        if self.config.adaptive_depth:
+            raise ValueError("adaptive depth changes the number of layers as the sequence grows, "
+                             "so a cache cannot be reused; decode with use_cache=False")
+        if not self.config.causal:
+            raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
+        return [LayerCache() for _ in range(self.config.n_layer)]
 
     def forward(self, idx, targets=None, caches=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
@@ -126,12 +203,18 @@ class GPT(nn.Module):
         """
         B, T = idx.size()
         start = len(caches[0]) if caches else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
-                             f"{self.config.block_size}; train with a larger --block_size")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for depth, block in enumerate(self.transformer.h):
+        x = self.transformer.wte(idx)
+        if self.config.pos == "learned":
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
+                                 f"{self.config.block_size}; train with a larger --block_size")
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
+        blocks = self.transformer.h
+        for depth in range(self.n_layers_for(start + T)):
+            # Shared weights cycle through the `thickness` blocks; otherwise block == depth.
+            block = blocks[depth % len(blocks)]
             x = block(x, cache=caches[depth] if caches else None, token_ids=idx, depth=depth)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
@@ -150,9 +233,11 @@ class GPT(nn.Module):
         each new token recomputes the whole sequence, which is slower but obviously right.
         Generation ends early once every row has produced stop_token (e.g. an end-of-answer id).
         """
-        if idx.size(1) + max_new_tokens > self.config.block_size:
+        if self.config.pos == "learned" and idx.size(1) + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
                              f"is longer than block_size {self.config.block_size}")
+        if not self.config.causal:
+            raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
         caches = self.new_caches() if use_cache else None
         new_tokens = idx  # what the next forward has to read
         finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)

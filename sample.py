@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from data import BOS, EOS, SEP, decode, encode, get_task, render_answer, simulate
+from data import BOS, EOS, SEP, decode, encode, render_answer, simulate
 from model import GPT, GPTConfig
-from train import OneLineErrors, pick_device, task_options
+from train import OneLineErrors, make_task, pick_device
 
 
 @torch.no_grad()
@@ -101,7 +101,7 @@ def main(argv=None):
         parser.error(str(error))
     checkpoint = torch.load(path, map_location=device, weights_only=False)
     run = argparse.Namespace(**checkpoint["args"])
-    task = get_task(run.task, **task_options(run, split="test"))
+    task = make_task(run, split="test")
     model = GPT(GPTConfig(**checkpoint["config"])).to(device).eval()
     model.load_state_dict(checkpoint["model"])
 

@@ -5,6 +5,7 @@ Train a GPT with standard or ChaCAL attention on a task, with fresh data every s
     python train.py --attn standard --task toy                # 1 standard layer: stuck near 20%
     python train.py --attn standard --task toy --n_layer 4    # Theorem 1: 4 layers for 15 hops
     python train.py --resume                                  # continue the run in out/ exactly
+    python train.py --attn dilated --share_weights --pos none --task parity   # RegularGPT, C = 2
 
 The paper's size and schedule (Table 4 of the ChaCAL paper) for the toy task:
 
@@ -28,7 +29,7 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-from data import get_task
+from data import REGULAR_LANGUAGES, get_task
 from model import GPT, GPTConfig
 
 
@@ -45,12 +46,31 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     # what to train
-    add("--task", default="toy", help="task to train on: toy (pointer chains) or boxes (text)")
+    add("--task", default="toy", help="task to train on: toy (pointer chains), boxes (text), or a "
+        "regular language: " + ", ".join(REGULAR_LANGUAGES))
     add("--attn", default="chacal",
-        help="attention of every layer (standard, chacal), or one per layer: standard,chacal")
+        help="attention of every layer (standard, chacal, dilated), or one per layer: standard,chacal")
     add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention")
-    # model size
-    add("--n_layer", type=int, default=1, help="number of transformer blocks")
+    add("--chunk", type=int, default=2,
+        help="dilated: chunk size C (offsets 0, d, .., (C-1)d); also the base of --n_layer auto")
+    # model shape
+    add("--n_layer", type=layer_count, default=None,
+        help="layers run per input, or auto: thickness x (smallest L with chunk^L >= length), "
+        "recomputed per batch (needs --share_weights); default auto with --share_weights, else 1")
+    add("--share_weights", action="store_true",
+        help="reuse --thickness distinct blocks at every depth (ALBERT, RegularGPT)")
+    add("--thickness", type=int, default=1,
+        help="K: distinct blocks when sharing weights; dilated layers per dilation level")
+    add("--min_train_layers", type=int, default=0,
+        help="stochastic depth: >0 draws each training batch's depth from min_train_layers.."
+        "n_layer (needs --share_weights); evaluation runs n_layer")
+    add("--bidirectional", action="store_true",
+        help="every token sees every other (BERT-like, for lego); ChaCAL then solves a dense system")
+    add("--mimic_iters", type=int, default=0,
+        help="before training, this many steps pulling heads 0 and 1 of every layer toward the "
+        "manipulation and association maps (LEGO's mimicking) on unlabelled sequences")
+    add("--pos", default="learned", choices=["learned", "none"],
+        help="learned absolute positions (GPT-2), or none (RegularGPT: runs at unseen lengths)")
     add("--n_head", type=int, default=4, help="attention heads per block")
     add("--n_embd", type=int, default=128, help="width of the residual stream (MLP is 4x)")
     add("--dropout", type=float, default=0.0, help="dropout on embeddings and residual branches")
@@ -63,6 +83,20 @@ def build_parser():
         help="boxes: 7 boxes and 32 operations, or 8 boxes and 1-31 implicit moves")
     add("--n_train", type=int, default=2000, help="boxes: training examples (cached in data_cache/)")
     add("--n_test", type=int, default=500, help="boxes: test examples, never sharing an initial state")
+    add("--max_train_length", type=int, default=None,
+        help="regular languages: train on lengths 1..this (default 40, or 50 for d_n and tomita)")
+    add("--max_test_length", type=int, default=None,
+        help="regular languages: test every length above training up to this (default 500, or 100)")
+    add("--p_one", type=float, default=0.5, help="parity: probability of a 1 (the paper's Table 2)")
+    add("--group", default="z2", choices=["z2", "s3"],
+        help="lego: Task 1 (+/- on {0, 1}) or Task 2 (the permutations S3 acting on 3 values)")
+    add("--n_vars", type=int, default=12, help="lego: clauses (variables) per sentence")
+    add("--n_supervised", type=int, default=None,
+        help="lego: train on chain positions #0..#n_supervised-1 only (default all); test all")
+    add("--supervise_last", action="store_true",
+        help="lego: also train on the last chain position (the shortcut experiment)")
+    add("--length_samples", type=int, default=128,
+        help="regular languages: fresh test sequences per test length at the end (the paper: 512)")
     # optimizer (AdamW; weight decay on matrices only)
     add("--batch_size", type=int, default=32, help="sequences per step, sampled fresh each step")
     add("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -89,7 +123,18 @@ def build_parser():
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="autocast dtype; auto is bfloat16 on GPUs that support it, else float32")
     add("--seed", type=int, default=1337, help="seeds the model's init and the data stream")
+    add("--seeds", type=int, default=1,
+        help="train this many seeds (seed, seed+1, ..) into out_dir/seed_N and report Max/Avg")
     return parser
+
+
+def layer_count(text):
+    """--n_layer: a positive count, or auto."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive count nor auto")
+    return int(text)
 
 
 def typed_flags(parser, args, argv):
@@ -161,6 +206,62 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
     }
 
 
+def smoothed(maps, causal):
+    """Add 1e-3 to every weight a query may give, then renormalise rows, as LEGO's mimicking
+    does, so that the KL below stays finite."""
+    maps = maps + 1e-3
+    if causal:
+        maps = maps.tril()
+    return maps / maps.sum(dim=-1, keepdim=True)
+
+
+def mimicking_targets(token_ids, causal):
+    """The two maps LEGO's mimicking copies from a pretrained BERT (Zhang et al. 2022, Section 4.3):
+    manipulation, weights 1, 2, 4, 2, 1 on the tokens from two before to two after, whatever
+    they are; and association, every *other* token equal to this one. Each (B, T, T)."""
+    B, T = token_ids.shape
+    offset = torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)  # key minus query position
+    manipulation = torch.zeros(T, T)
+    for distance, weight in {-2: 1, -1: 2, 0: 4, 1: 2, 2: 1}.items():
+        manipulation[offset == distance] = weight
+    association = (token_ids.view(B, T, 1) == token_ids.view(B, 1, T)).float()
+    association = association * (1 - torch.eye(T))  # the diagonal is not an association
+    return (smoothed(manipulation.expand(B, T, T).to(token_ids.device), causal),
+            smoothed(association, causal))
+
+
+def mimicking_loss(model, token_ids):
+    """Σ over layers of KL(head 0 ‖ manipulation) + KL(head 1 ‖ association), the model's map
+    first (a reverse KL, as the LEGO code), averaged over sequences and queries."""
+    causal = model.config.causal
+    manipulation, association = mimicking_targets(token_ids, causal)
+    loss = 0.0
+    for maps in model.attention_maps(token_ids):                       # (B, nh, T, T) per layer
+        for head, target in ((0, manipulation), (1, association)):
+            p = smoothed(maps[:, head].float(), causal)
+            loss = loss + (torch.xlogy(p, p) - torch.xlogy(p, target)).sum(dim=-1).mean()
+    return loss
+
+
+def mimic(model, task, args, generator, device, autocast):
+    """LEGO's mimicking initialisation: train the attention maps alone, on unlabelled
+    sequences of the task, before the usual training starts from the weights it leaves."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
+                                  weight_decay=0.0)
+    losses = []
+    for _ in tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress,
+                  dynamic_ncols=True):
+        x, _ = task.sample(args.batch_size, generator)
+        with autocast:
+            loss = mimicking_loss(model, x.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    print(f"mimicking: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.mimic_iters} steps")
+    return losses
+
+
 def save_checkpoint(path, model, optimizer, args, step, train_time, data_rng, eval_rng):
     checkpoint = {
         "model": model.state_dict(),
@@ -202,16 +303,41 @@ def parse_args(argv=None):
             raise ValueError("--max_iters, --eval_interval and --batch_size must be at least 1")
         if args.lr <= 0 or args.warmup_iters < 0:
             raise ValueError(f"--lr {args.lr} must be > 0 and --warmup_iters >= 0")
-        task = get_task(args.task, **task_options(args))
+        if args.n_layer is None:
+            args.n_layer = "auto" if args.share_weights else 1
+        options = task_options(args)
+        stray = TASK_FLAGS.keys() & typed_flags(parser, args, argv).keys() - options.keys()
+        if stray:
+            flag = sorted(stray)[0]
+            raise ValueError(f"--{flag} is an option of {TASK_FLAGS[flag]}, not of --task "
+                             f"{args.task}; drop it")
+        task = make_task(args)
         block_size = args.block_size or task.block_size
         if task.block_size > block_size:
             raise ValueError(f"--block_size {block_size} is shorter than the {task.block_size}-token "
                              f"sequences of task {args.task}; raise it or leave it unset")
+        adaptive = args.n_layer == "auto"
         config = GPTConfig(block_size=block_size, vocab_size=task.vocab_size,
-                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                           dropout=args.dropout, attn=args.attn, gamma=args.gamma)
+                           n_layer=1 if adaptive else args.n_layer, n_head=args.n_head,
+                           n_embd=args.n_embd, dropout=args.dropout, attn=args.attn,
+                           gamma=args.gamma, causal=not args.bidirectional, pos=args.pos,
+                           broadcast_ids=tuple(getattr(task, "broadcast_ids", ())),
+                           share_weights=args.share_weights, thickness=args.thickness,
+                           chunk=args.chunk, adaptive_depth=adaptive,
+                           min_train_layers=args.min_train_layers)
+        if args.bidirectional and args.task == "boxes":
+            raise ValueError("--bidirectional: boxes is scored by generating its answer, and a "
+                             "bidirectional model would read the answer it has to write")
+        if args.mimic_iters < 0 or args.seeds < 1 or args.length_samples < 1:
+            raise ValueError("--mimic_iters must be >= 0, --seeds and --length_samples >= 1")
+        if args.mimic_iters and any(name.startswith("lego") for name in config.attention_per_layer()):
+            raise ValueError("--mimic_iters shapes the learned maps of heads 0 and 1; LEGO "
+                             "attention's maps are fixed: mimic with --attn standard or chacal")
+        if args.mimic_iters and config.n_head < 2:
+            raise ValueError(f"--mimic_iters needs 2 heads per layer (heads 0 and 1 mimic); "
+                             f"--n_head is {config.n_head}")
         if checkpoint is not None and asdict(config) != checkpoint["config"]:
-            changed = [k for k, v in asdict(config).items() if checkpoint["config"][k] != v]
+            changed = [k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v]
             raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
                              f"({', '.join(changed)}); drop those flags to continue it")
         args.device = pick_device(args.device)
@@ -221,18 +347,66 @@ def parse_args(argv=None):
     return args, task, config, checkpoint
 
 
+# Task flags, and the tasks they belong to: a task flag typed for another task is an error.
+TASK_FLAGS = {"n_blocks": "toy", "block_len": "toy", "boxes_version": "boxes", "n_train": "boxes",
+              "n_test": "boxes", "max_train_length": "the regular languages",
+              "max_test_length": "the regular languages", "p_one": "parity", "group": "lego",
+              "n_vars": "lego", "n_supervised": "lego", "supervise_last": "lego"}
+TASK_ARGUMENT = {"boxes_version": "version"}  # where a get_task option is named unlike its flag
+
+
 def task_options(args, split="train"):
-    """The get_task options of a run; toy samples fresh sequences, so it has no splits."""
+    """The task flags of a run, by flag name; toy and the regular languages sample fresh
+    sequences, so only boxes has splits."""
     if args.task == "toy":
         return {"n_blocks": args.n_blocks, "block_len": args.block_len}
     if args.task == "boxes":
-        return {"version": args.boxes_version, "n_train": args.n_train, "n_test": args.n_test,
-                "split": split}
+        return {"boxes_version": args.boxes_version, "n_train": args.n_train,
+                "n_test": args.n_test, "split": split}
+    if args.task in REGULAR_LANGUAGES:
+        options = {"max_train_length": args.max_train_length,
+                   "max_test_length": args.max_test_length}
+        if args.task == "parity":
+            options["p_one"] = args.p_one
+        return options
+    if args.task == "lego":  # the test scores every chain position, trained on or not
+        return {"group": args.group, "n_vars": args.n_vars,
+                "n_supervised": args.n_supervised if split == "train" else None,
+                "supervise_last": args.supervise_last and split == "train"}
     return {}
 
 
+def make_task(args, split="train"):
+    """The task a run trains (split "train") or tests (split "test") on."""
+    options = task_options(args, split)
+    return get_task(args.task, **{TASK_ARGUMENT.get(k, k): v for k, v in options.items()})
+
+
+@torch.no_grad()
+def evaluate_lengths(model, task, n_per_length, generator, device, autocast, progress=True):
+    """Accuracy at every test length (longer than any seen in training) on fresh sequences:
+    the share of sequences whose label is right. Batches hold up to 2^16 tokens."""
+    model.eval()
+    accuracy = {}
+    for length in tqdm(task.test_lengths, desc="test lengths", disable=not progress, leave=False):
+        per_batch = max(1, min(n_per_length, 2 ** 16 // length))
+        hits = 0
+        for start in range(0, n_per_length, per_batch):
+            x, y = task.sample(min(per_batch, n_per_length - start), generator, length=length)
+            with autocast:
+                logits, _ = model(x.to(device))
+            right = (logits.argmax(dim=-1).cpu() == y) | (y == -1)
+            hits += right.all(dim=1).sum().item()
+        accuracy[str(length)] = hits / n_per_length
+    model.train()
+    return accuracy
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, task, config, checkpoint = parse_args(argv)
+    if args.seeds > 1:
+        return train_seeds(args, argv)
     torch.manual_seed(args.seed)
     device = args.device
     model = GPT(config).to(device)
@@ -243,7 +417,7 @@ def main(argv=None):
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
         lr=args.lr, betas=(args.beta1, args.beta2))
-    test_task = get_task(args.task, **task_options(args, split="test"))
+    test_task = make_task(args, split="test")
     data_rng = torch.Generator().manual_seed(args.seed)      # training batches
     eval_rng = torch.Generator().manual_seed(args.seed + 1)  # test batches, never seen in training
     autocast = (torch.autocast(device_type=device, dtype=torch.bfloat16)
@@ -268,10 +442,15 @@ def main(argv=None):
     with open(metrics_path, "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in metrics)
 
-    print(f"{args.task}: {config.n_layer} layer(s) of {config.attn}"
+    depth = "adaptive depth" if config.adaptive_depth else f"{config.n_layer} layer(s)"
+    shared = f", {config.thickness} shared block(s)" if config.share_weights else ""
+    print(f"{args.task}: {depth} of {config.attn}{shared}"
           f"{f' (gamma {config.gamma})' if 'chacal' in config.attn else ''}, "
           f"{model.num_params() / 1e6:.2f}M parameters, {device} {args.dtype}"
           f"{f', resuming at step {step}' if step else ''}")
+    mimic_losses = None
+    if args.mimic_iters and step == 0:
+        mimic_losses = mimic(model, task, args, data_rng, device, autocast)
     window_loss, window_hits, window_count, window_steps = 0.0, 0, 0, 0
     bar = tqdm(total=args.max_iters, initial=step, disable=not args.progress, dynamic_ncols=True)
     tick = time.perf_counter()
@@ -310,6 +489,9 @@ def main(argv=None):
                 record = {"step": step, "train_time": round(train_time, 3), "lr": lr,
                           "train_loss": window_loss.item() / window_steps,
                           "train_acc": window_hits.item() / window_count.item()}
+                if mimic_losses:  # the first record keeps what mimicking did
+                    record["mimic_loss"] = [mimic_losses[0], mimic_losses[-1]]
+                    mimic_losses = None
                 record.update(evaluate(model, test_task, args.eval_samples, args.batch_size,
                                        eval_rng, device, autocast))
                 metrics.append(record)
@@ -333,6 +515,13 @@ def main(argv=None):
         raise SystemExit(130)
     bar.close()
 
+    if hasattr(task, "test_lengths") and "length_score" not in metrics[-1]:
+        by_length = evaluate_lengths(model, test_task, args.length_samples, eval_rng, device,
+                                     autocast, args.progress)
+        metrics[-1].update(length_acc=by_length,
+                           length_score=sum(by_length.values()) / len(by_length))
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in metrics)
     summary = summarize(args, config, model.num_params(), metrics)
     print(summary["line"])
     return summary
@@ -343,12 +532,33 @@ def summarize(args, config, n_params, metrics):
     first_99 = next((m for m in metrics if m["eval_acc"] >= 0.99), None)
     reached = (f"first >= 99% at step {first_99['step']} ({first_99['train_time']:.0f} s)"
                if first_99 else "never reached 99%")
-    line = (f"done: {args.task}, {config.n_layer} x {config.attn}, {final['step']} steps in "
+    if "length_score" in final:
+        lengths = list(final["length_acc"])
+        reached += (f"; lengths {lengths[0]}..{lengths[-1]} (never trained on): "
+                    f"{final['length_score']:.2%}")
+    depth = "auto" if config.adaptive_depth else config.n_layer
+    line = (f"done: {args.task}, {depth} x {config.attn}, {final['step']} steps in "
             f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); test accuracy "
             f"{final['eval_acc']:.2%}, loss {final['eval_loss']:.4f}; {reached}; "
             f"metrics in {os.path.join(args.out_dir, 'metrics.jsonl')}")
     return {"line": line, "final": final, "metrics": metrics, "n_params": n_params,
             "device": args.device, "dtype": args.dtype, "args": vars(args)}
+
+
+def train_seeds(args, argv):
+    """Train seeds seed .. seed+seeds-1, each in out_dir/seed_N, and report their Max and Avg
+    as the RegularGPT paper does: on the test lengths where a task has them, else accuracy."""
+    summaries = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        out_dir = os.path.join(args.out_dir, f"seed_{seed}")
+        summaries.append(main(argv + ["--seeds", "1", "--seed", str(seed), "--out_dir", out_dir]))
+    key = "length_score" if "length_score" in summaries[0]["final"] else "eval_acc"
+    scores = [summary["final"][key] for summary in summaries]
+    line = (f"{args.seeds} seeds, {key}: Max {max(scores):.2%}, Avg {sum(scores) / len(scores):.2%} "
+            f"(each: {', '.join(f'{s:.2%}' for s in scores)})")
+    print(line)
+    return {"line": line, "max": max(scores), "avg": sum(scores) / len(scores), "scores": scores,
+            "runs": summaries}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attention import (ATTENTIONS, causal_attention_weights, chacal_attention,
+from attention import (ATTENTIONS, attention_weights, chacal_attention,
                        standard_attention)
 from model import GPTConfig
 
@@ -25,7 +25,7 @@ def explicit_softmax_attention(q, k):
 
 def test_attention_weights_match_row_by_row_softmax():
     q, k, _ = random_qkv()
-    torch.testing.assert_close(causal_attention_weights(q, k), explicit_softmax_attention(q, k))
+    torch.testing.assert_close(attention_weights(q, k), explicit_softmax_attention(q, k))
 
 
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.99])
@@ -114,13 +114,17 @@ def test_changing_a_future_token_changes_no_earlier_output(name):
     assert (out[:, 6:] - out_changed[:, 6:]).abs().max() > 1e-6
 
 
-def test_fused_and_manual_standard_paths_agree():
+@pytest.mark.parametrize("name, causal", [("standard", True), ("standard", False),
+                                          ("dilated", True)])
+def test_fused_and_manual_paths_agree(name, causal):
     torch.manual_seed(0)
-    attn = ATTENTIONS["standard"](GPTConfig(n_embd=16, n_head=2, attn="standard"))
+    attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=causal))
     x = torch.randn(3, 11, 16)
-    fused = attn(x)
-    attn.fused = False
-    torch.testing.assert_close(attn(x), fused, rtol=1e-5, atol=1e-6)
+    for depth in range(3):
+        attn.fused = True
+        fused = attn(x, depth=depth)
+        attn.fused = False
+        torch.testing.assert_close(attn(x, depth=depth), fused, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", list(ATTENTIONS))
@@ -131,3 +135,75 @@ def test_forward_and_backward_run_for_every_variant(name):
     out.square().sum().backward()
     assert out.shape == (2, 7, 16)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in attn.parameters())
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 0.99])
+def test_bidirectional_chacal_equals_explicit_inverse(gamma):
+    q, k, v = random_qkv(T=7)
+    A = (q @ k.transpose(-2, -1) / q.size(-1) ** 0.5).softmax(dim=-1)  # no mask at all
+    off_diagonal = A - torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
+    expected = torch.linalg.inv(torch.eye(7, dtype=A.dtype) - gamma * off_diagonal) @ ((1 - gamma) * A @ v)
+    torch.testing.assert_close(chacal_attention(q, k, v, gamma, causal=False), expected)
+
+
+@pytest.mark.parametrize("name", ["standard", "chacal"])
+def test_bidirectional_attention_lets_a_later_token_change_earlier_outputs(name):
+    torch.manual_seed(0)
+    attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=False)).double()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 6] += 1.0
+    assert (attn(x)[:, :6] - attn(changed)[:, :6]).abs().min() > 1e-9
+
+
+def allowed_offsets(chunk, thickness, depth):
+    """Sliding-Dilated-Attention's definition, written out: C offsets spaced C^(depth // K) apart."""
+    dilation = chunk ** (depth // thickness)
+    return {step * dilation for step in range(chunk)}
+
+
+@pytest.mark.parametrize("chunk, thickness", [(2, 1), (3, 1), (2, 2), (5, 1)])
+def test_dilated_mask_of_every_layer_matches_its_offsets(chunk, thickness):
+    config = GPTConfig(n_embd=8, n_head=2, attn="dilated", chunk=chunk, thickness=thickness)
+    attn = ATTENTIONS["dilated"](config)
+    T = 40
+    for depth in range(6):
+        visible = torch.isfinite(attn.score_bias(T, T, depth, "cpu"))[0]
+        expected = torch.tensor([[m - n in allowed_offsets(chunk, thickness, depth) for n in range(T)]
+                                 for m in range(T)])
+        assert torch.equal(visible, expected), f"layer {depth}"
+        # The same rows when the queries are the last few tokens of a cache.
+        assert torch.equal(torch.isfinite(attn.score_bias(3, T, depth, "cpu"))[0], expected[-3:])
+
+
+def test_dilated_output_depends_exactly_on_the_allowed_offsets():
+    torch.manual_seed(0)
+    attn = ATTENTIONS["dilated"](GPTConfig(n_embd=8, n_head=2, attn="dilated", chunk=3)).double()
+    x = torch.randn(1, 20, 8, dtype=torch.float64)
+    depth, query = 1, 19
+    for key in range(20):
+        changed = x.clone()
+        changed[:, key] += 1.0
+        moved = (attn(x, depth=depth) - attn(changed, depth=depth))[0, query].abs().max() > 1e-9
+        assert moved == (query - key in allowed_offsets(3, 1, depth)), f"key {key}"
+
+
+def test_dilated_offset_bias_is_one_learned_scalar_per_head_and_step():
+    attn = ATTENTIONS["dilated"](GPTConfig(n_embd=8, n_head=2, attn="dilated", chunk=3))
+    with torch.no_grad():
+        attn.offset_bias.copy_(torch.tensor([[0.1, 0.2, 0.3], [1.0, 2.0, 3.0]]))
+    bias = attn.score_bias(9, 9, 1, "cpu").detach()  # dilation 3: offsets 0, 3, 6
+    assert bias[1, 8, 8] == 1.0 and bias[1, 8, 5] == 2.0 and bias[1, 8, 2] == 3.0
+    assert bias[0, 7, 4] == pytest.approx(0.2) and bias[0, 7, 6] == float("-inf")
+
+
+@pytest.mark.parametrize("name", ["standard", "chacal", "dilated"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_map_times_values_is_the_output(name, causal):
+    if name == "dilated" and not causal:
+        return  # refused by GPTConfig
+    torch.manual_seed(0)
+    attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=causal)).double()
+    attn.fused = False
+    q, k, v = random_qkv(B=2, nh=2, T=9, hs=8)
+    torch.testing.assert_close(attn.attention_map(q, k, None, 2) @ v, attn.mix(q, k, v, None, 2))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, adaptive_levels
 
-ATTENTION_STACKS = ["standard", "chacal", "standard,chacal"]
+ATTENTION_STACKS = ["standard", "chacal", "standard,chacal", "dilated,chacal,dilated"]
 
 
 def small_model(attn, seed=0, **overrides):
@@ -99,6 +99,14 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(gamma=1.0), "--gamma"),
     (dict(gamma=-0.5), "--gamma"),
     (dict(n_embd=30, n_head=4), "--n_embd"),
+    (dict(attn="dilated", chunk=1), "--chunk"),
+    (dict(pos="sinusoidal"), "--pos"),
+    (dict(adaptive_depth=True), "--share_weights"),
+    (dict(thickness=2), "--thickness"),
+    (dict(share_weights=True, n_layer=4, min_train_layers=5), "--min_train_layers"),
+    (dict(n_layer=4, min_train_layers=2), "--min_train_layers"),
+    (dict(attn="dilated", causal=False), "--bidirectional"),
+    (dict(attn="standard,chacal", share_weights=True, thickness=3), "--thickness"),
 ])
 def test_bad_configs_fail_at_construction_naming_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
@@ -111,3 +119,60 @@ def test_sequences_longer_than_block_size_are_refused():
         model(torch.zeros(1, 41, dtype=torch.long))
     with pytest.raises(ValueError, match="block_size"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 11)
+
+
+@pytest.mark.parametrize("length, chunk, levels", [
+    (1, 2, 1), (2, 2, 1), (3, 2, 2), (40, 2, 6), (500, 2, 9), (81, 3, 4), (82, 3, 5),
+    (125, 5, 3), (126, 5, 4), (4096, 64, 2)])
+def test_adaptive_depth_is_the_smallest_power_covering_the_length(length, chunk, levels):
+    assert adaptive_levels(length, chunk) == levels
+
+
+def layers_run(model, length):
+    """Count block calls (shared blocks are called once per use) in one forward pass."""
+    calls = []
+    hooks = [block.register_forward_hook(lambda *_: calls.append(1)) for block in model.transformer.h]
+    model(torch.zeros(1, length, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+    return len(calls)
+
+
+def test_adaptive_depth_follows_the_length_of_each_batch():
+    model = small_model("dilated", share_weights=True, adaptive_depth=True, thickness=2,
+                        pos="none", chunk=2, n_layer=1)
+    assert len(model.transformer.h) == 2
+    assert [layers_run(model, T) for T in (1, 2, 3, 40, 100)] == [2, 2, 4, 12, 14]
+
+
+def test_shared_weights_do_not_grow_with_depth():
+    sizes = {n_layer: small_model("standard", share_weights=True, n_layer=n_layer).num_params()
+             for n_layer in (1, 4, 12)}
+    assert len(set(sizes.values())) == 1
+    assert small_model("standard", n_layer=4).num_params() > sizes[4]
+
+
+def test_stochastic_depth_draws_depth_in_training_only():
+    model = small_model("standard", share_weights=True, n_layer=6, min_train_layers=3)
+    assert {layers_run(model, 5) for _ in range(10)} == {6}   # eval: always the test depth
+    model.train()
+    torch.manual_seed(0)
+    drawn = {layers_run(model, 5) for _ in range(60)}
+    assert drawn == {3, 4, 5, 6}
+
+
+def test_without_positions_the_model_runs_past_block_size():
+    model = small_model("dilated", share_weights=True, adaptive_depth=True, pos="none", n_layer=1)
+    assert not any("wpe" in name for name, _ in model.named_parameters())
+    logits, _ = model(torch.zeros(2, 100, dtype=torch.long))  # block_size is 40
+    assert logits.shape == (2, 100, 30)
+
+
+def test_bidirectional_and_adaptive_models_refuse_to_decode_with_a_cache():
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="bidirectional"):
+        small_model("standard", causal=False).generate(prompt, 2)
+    adaptive = small_model("dilated", share_weights=True, adaptive_depth=True, pos="none", n_layer=1)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        adaptive.generate(prompt, 2)
+    assert adaptive.generate(prompt, 2, temperature=0, use_cache=False).shape == (1, 6)

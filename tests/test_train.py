@@ -58,6 +58,19 @@ def test_resume_continues_a_run_exactly(tmp_path):
     (["--block_size", "64"], "--block_size"),
     (["--attn", "standard,chacal"], "--attn"),
     (["--resume", "--out_dir", "no/such/run"], "--resume"),
+    (["--attn", "dilated", "--chunk", "1"], "--chunk"),
+    (["--n_layer", "auto"], "--share_weights"),
+    (["--n_layer", "0"], "--n_layer"),
+    (["--p_one", "0.3"], "--p_one"),
+    (["--task", "parity", "--p_one", "1.5"], "--p_one"),
+    (["--task", "parity", "--n_blocks", "4"], "--n_blocks"),
+    (["--attn", "dilated", "--bidirectional"], "--bidirectional"),
+    (["--task", "boxes", "--bidirectional"], "--bidirectional"),
+    (["--share_weights", "--n_layer", "4", "--min_train_layers", "6"], "--min_train_layers"),
+    (["--mimic_iters", "5", "--n_head", "1"], "--mimic_iters"),
+    (["--task", "lego", "--attn", "lego_v0", "--bidirectional", "--mimic_iters", "3"], "--mimic_iters"),
+    (["--n_vars", "6"], "--n_vars"),
+    (["--task", "lego", "--n_vars", "30"], "--n_vars"),
 ])
 def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named):
     result = run_script("train.py", *flags)
@@ -141,3 +154,56 @@ def test_evaluate_counts_whole_sequences_and_depths():
     flawed = evaluate(Oracle(task.vocab_size, wrong_rows=[0, 3]))  # 2 of 8 rows, 1 token each
     assert flawed["eval_whole_sequences"] == 6 / 8
     assert flawed["eval_acc_by_depth"] == {"1": 1.0, "2": 1.0, "3": 30 / 32}
+
+
+def test_regular_language_run_scores_every_unseen_length(tmp_path):
+    flags = ["--task", "parity", "--attn", "dilated", "--share_weights", "--pos", "none",
+             "--n_embd", "16", "--n_head", "2", "--batch_size", "8", "--max_iters", "4",
+             "--eval_interval", "2", "--eval_samples", "16", "--max_train_length", "6",
+             "--max_test_length", "9", "--length_samples", "5", "--no-progress", "--device", "cpu"]
+    summary = train.main(flags + ["--out_dir", str(tmp_path)])
+    final = summary["final"]
+    assert list(final["length_acc"]) == ["7", "8", "9"]
+    assert all(acc in {0, 0.2, 0.4, 0.6, 0.8, 1} for acc in final["length_acc"].values())
+    assert final["length_score"] == pytest.approx(sum(final["length_acc"].values()) / 3)
+    assert set(final["eval_acc_by_depth"]) <= {str(n) for n in range(1, 7)}  # depth = length
+    assert "lengths 7..9" in summary["line"]
+
+
+def test_seeds_flag_trains_each_seed_and_reports_max_and_avg(tmp_path):
+    result = train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--seeds", "2",
+                                "--out_dir", str(tmp_path)])
+    assert sorted(os.listdir(tmp_path)) == ["seed_1337", "seed_1338"]
+    assert result["max"] == max(result["scores"]) and len(result["scores"]) == 2
+    assert result["scores"] == [run["final"]["eval_acc"] for run in result["runs"]]
+    assert "Max" in result["line"] and "Avg" in result["line"]
+
+
+def test_mimicking_lowers_the_mimicking_loss():
+    torch.manual_seed(0)
+    task = get_task("lego", n_vars=4)  # unlabelled LEGO sentences, as in the paper
+    config = train.GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_layer=2,
+                             n_head=2, n_embd=32, attn="standard", causal=False)
+    model = train.GPT(config)
+    args = train.build_parser().parse_args(["--mimic_iters", "40", "--lr", "3e-3", "--no-progress",
+                                            "--batch_size", "16"])
+    x, _ = task.sample(16, torch.Generator().manual_seed(1))
+    before = train.mimicking_loss(model, x).item()
+    train.mimic(model, task, args, torch.Generator().manual_seed(0), "cpu", contextlib.nullcontext())
+    assert train.mimicking_loss(model, x).item() < 0.5 * before
+
+
+def test_mimicking_targets_follow_their_definitions():
+    tokens = torch.tensor([[5, 7, 5, 9, 7, 5]])
+    manipulation, association = train.mimicking_targets(tokens, causal=False)
+    raw = torch.zeros(6, 6)
+    for i in range(6):
+        for j in range(6):
+            raw[i, j] = {0: 4, 1: 2, 2: 1}.get(abs(i - j), 0)
+    expected = (raw + 1e-3) / (raw + 1e-3).sum(dim=1, keepdim=True)
+    torch.testing.assert_close(manipulation[0], expected)
+    equal = torch.tensor([[float(a == b and i != j) for j, b in enumerate(tokens[0])]
+                          for i, a in enumerate(tokens[0])])
+    torch.testing.assert_close(association[0], (equal + 1e-3) / (equal + 1e-3).sum(1, keepdim=True))
+    _, causal_association = train.mimicking_targets(tokens, causal=True)
+    assert (causal_association[0].triu(1) == 0).all()

@@ -1,0 +1,258 @@
+"""LEGO: the task's labels against a resolver written apart, and LEGO attention against its
+definitions (maps built by explicit loops, causality, a GPT that trains with it)."""
+
+import pytest
+import torch
+
+from attention import ATTENTIONS
+from data import LEGO, get_task
+from model import GPT, GPTConfig
+
+
+def batch(task, n=64, seed=0):
+    return task.sample(n, torch.Generator().manual_seed(seed))
+
+
+def chain_positions_by_hand(task, row):
+    """{slot: chain position} for one row (list of ids), by walking each clause back to the root."""
+    words = [task.vocab[i] for i in row[1:-1]]
+    clauses = [words[s:s + 5] for s in range(0, len(words), 5)]
+    slot_of = {clause[0]: s for s, clause in enumerate(clauses)}
+    positions = {}
+    for s, clause in enumerate(clauses):
+        steps, argument = 0, clause[3]
+        while argument not in task.value_words:
+            steps, argument = steps + 1, clauses[slot_of[argument]][3]
+        positions[s] = steps
+    return positions
+
+
+# ----------------------------------------------------------------------------------------------
+# The task.
+
+@pytest.mark.parametrize("group", ["z2", "s3"])
+@pytest.mark.parametrize("n_vars, n_supervised, supervise_last",
+                         [(3, None, False), (3, 1, False), (3, 1, True),
+                          (12, None, False), (12, 6, False), (12, 5, True)])
+def test_labels_match_the_resolver_and_are_minus_one_exactly_where_promised(
+        group, n_vars, n_supervised, supervise_last):
+    task = get_task("lego", group=group, n_vars=n_vars, n_supervised=n_supervised,
+                    supervise_last=supervise_last)
+    x, y = batch(task)
+    solved = task.solve(x)
+    trained = set(range(n_supervised or n_vars)) | ({n_vars - 1} if supervise_last else set())
+    for r in range(x.size(0)):
+        positions = chain_positions_by_hand(task, x[r].tolist())
+        for t in range(x.size(1)):
+            slot, offset = divmod(t - 1, 5)
+            if 1 <= t <= 5 * n_vars and offset == 0 and positions[slot] in trained:
+                assert y[r, t] == solved[r, t] and y[r, t] in task.values
+            else:
+                assert y[r, t] == -1
+
+
+@pytest.mark.parametrize("group", ["z2", "s3"])
+@pytest.mark.parametrize("n_vars", [3, 12, 26])
+def test_every_clause_is_five_tokens_and_the_variables_are_distinct(group, n_vars):
+    task = get_task("lego", group=group, n_vars=n_vars)
+    x, _ = batch(task)
+    assert x.shape == (64, 5 * n_vars + 2) and task.block_size == 5 * n_vars + 2
+    for row in x.tolist():
+        words = [task.vocab[i] for i in row]
+        assert words[0] == "[CLS]" and words[-1] == "[SEP]"
+        clauses = [words[s:s + 5] for s in range(1, 5 * n_vars + 1, 5)]
+        variables = [clause[0] for clause in clauses]
+        assert len(set(variables)) == n_vars
+        assert all(v in "abcdefghijklmnopqrstuvwxyz" for v in variables)
+        for variable, equals, op, argument, comma in clauses:
+            assert (equals, comma) == ("=", ",") and op in task.ops
+            assert argument in task.value_words or argument in variables
+        assert sum(clause[3] in task.value_words for clause in clauses) == 1  # one root
+
+
+@pytest.mark.parametrize("group", ["z2", "s3"])
+def test_chain_depth_gives_the_chain_position_at_left_hand_tokens(group):
+    task = get_task("lego", group=group, n_vars=12)
+    x, _ = batch(task)
+    depth = task.chain_depth(x)
+    for r in range(x.size(0)):
+        positions = chain_positions_by_hand(task, x[r].tolist())
+        assert depth[r, 1:-1:5].tolist() == [positions[s] for s in range(12)]
+        assert sorted(positions.values()) == list(range(12))
+    others = torch.ones(x.size(1), dtype=torch.bool)
+    others[1:-1:5] = False
+    assert (depth[:, others] == -1).all()
+
+
+def test_the_docstring_example():
+    # The grid in LEGO's docstring, read back: its token, y and chain rows.
+    rows = {line.split()[0]: line.split()[1:] for line in LEGO.__doc__.splitlines()
+            if line.startswith(" " * 8) and line.split()[0] in ("token", "y", "chain")}
+    sentence = " ".join(rows["token"])
+    assert sentence == "[CLS] a = - c , b = + 1 , c = - b , [SEP]"
+    task = get_task("lego", n_vars=3)
+    x = task.encode(sentence)[None]
+    labels = [task.vocab[i] if i != -1 else "-" for i in task.solve(x)[0].tolist()]
+    assert labels == rows["y"]
+    depth = [str(d) if d != -1 else "-" for d in task.chain_depth(x)[0].tolist()]
+    assert depth == rows["chain"]
+    assert task.decode(x[0]) == sentence
+    assert "#0 b=1  #1 c=0  #2 a=1" in task.describe(x[0])
+
+
+def test_vocabularies_and_what_the_model_is_built_for():
+    z2, s3 = get_task("lego", group="z2"), get_task("lego", group="s3")
+    assert (z2.vocab_size, s3.vocab_size) == (34, 39)
+    for task in (z2, s3):
+        assert [task.vocab[i] for i in task.broadcast_ids] == ["[CLS]", "[SEP]"]
+        assert [task.vocab[i] for i in task.values] == task.value_words
+    assert s3.value_words == ["0", "1", "2"] and len(set(s3.ops)) == 6
+    assert LEGO.apply("p120", 0) == 1 and LEGO.apply("p120", 2) == 0 and LEGO.apply("-", 0) == 1
+
+
+def test_sampling_is_seeded_and_fast_enough():
+    task = get_task("lego", group="s3")
+    x1, y1 = batch(task, 1000, seed=3)
+    x2, y2 = batch(task, 1000, seed=3)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert not torch.equal(x1, batch(task, 1000, seed=4)[0])
+
+
+@pytest.mark.parametrize("options, flag", [
+    (dict(n_vars=30), "--n_vars 30 exceeds"), (dict(n_vars=0), "--n_vars 0"),
+    (dict(n_supervised=0), "--n_supervised 0"), (dict(n_supervised=13), "--n_supervised 13"),
+    (dict(group="z3"), "--group"),
+])
+def test_bad_options_raise_naming_the_flag(options, flag):
+    with pytest.raises(ValueError, match=flag):
+        get_task("lego", **options)
+
+
+# ----------------------------------------------------------------------------------------------
+# LEGO attention.
+
+TOKENS = torch.tensor([[0, 5, 7, 5, 9, 7, 5, 1, 4]])  # 0 = [CLS], 1 = [SEP] here
+
+
+def lego_attention(name, causal, n_embd=16, n_head=2, broadcast_ids=(0, 1)):
+    torch.manual_seed(0)
+    config = GPTConfig(n_embd=n_embd, n_head=n_head, attn=name, causal=causal,
+                       broadcast_ids=broadcast_ids)
+    return ATTENTIONS[name](config).double()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_association_and_broadcast_maps_follow_their_definitions(causal):
+    u = TOKENS[0].tolist()
+    T = len(u)
+    maps = lego_attention("lego_v0", causal).fixed_maps(TOKENS)[0]
+    assert maps.shape == (3, T, T)
+    rules = [lambda i, j: u[i] == u[j], lambda i, j: u[j] == 0, lambda i, j: u[j] == 1]
+    for m, rule in enumerate(rules):
+        expected = torch.zeros(T, T)
+        for i in range(T):
+            for j in range(T):
+                expected[i, j] = float(rule(i, j) and (j <= i or not causal))
+            if expected[i].sum() > 0:
+                expected[i] /= expected[i].sum()
+        torch.testing.assert_close(maps[m], expected)
+    sums = maps.sum(dim=-1)
+    # Association always has the diagonal, and [CLS] comes first: their rows all sum to 1.
+    torch.testing.assert_close(sums[:2], torch.ones(2, T))
+    if causal:  # [SEP] is at position 7: nothing before it has a [SEP] to read
+        assert (maps.triu(1) == 0).all()
+        assert sums[2].tolist() == [0.0] * 7 + [1.0, 1.0]
+    else:
+        torch.testing.assert_close(sums[2], torch.ones(T))
+
+
+def test_without_broadcast_ids_only_association_is_built():
+    maps = lego_attention("lego_v0", False, broadcast_ids=()).fixed_maps(TOKENS)
+    assert maps.shape == (1, 1, 9, 9)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_v0_output_equals_pathways_computed_by_hand(causal):
+    attn = lego_attention("lego_v0", causal)
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    hs, T = 8, 9
+    W, b = attn.c_value.weight, attn.c_value.bias
+    values = [x[0] @ W[p * hs:(p + 1) * hs].T + b[p * hs:(p + 1) * hs] for p in range(4)]
+    maps = attn.fixed_maps(TOKENS)[0].double()
+    heads = [maps[p] @ values[p] for p in range(3)]
+    left = 20 if causal else 10  # how far back the kernel's first tap reads
+    conv = torch.zeros(T, hs, dtype=torch.float64)
+    for i in range(T):
+        for c in range(hs):
+            conv[i, c] = attn.conv.bias[c]
+            for tap in range(21):
+                source = i - left + tap
+                if 0 <= source < T:
+                    conv[i, c] += attn.conv.weight[c, 0, tap] * values[3][source, c]
+    expected = attn.c_proj(torch.cat(heads + [conv], dim=1))
+    torch.testing.assert_close(attn(x, token_ids=TOKENS)[0], expected)
+
+
+@pytest.mark.parametrize("name", ["lego_v0", "lego_v1"])
+def test_causal_lego_attention_never_reads_the_future(name):
+    attn = lego_attention(name, causal=True)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    ids = TOKENS.expand(2, 9).clone()
+    changed_x, changed_ids = x.clone(), ids.clone()
+    changed_x[:, 5] += 1.0
+    changed_ids[:, 5] = 5  # also the token id: now equal to the earlier 5s
+    out, out_changed = attn(x, token_ids=ids), attn(changed_x, token_ids=changed_ids)
+    torch.testing.assert_close(out[:, :5], out_changed[:, :5], rtol=0, atol=0)
+    assert (out[:, 5:] - out_changed[:, 5:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", ["lego_v0", "lego_v1"])
+def test_bidirectional_lego_attention_lets_later_tokens_matter(name):
+    attn = lego_attention(name, causal=False)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 7] += 1.0
+    out, out_changed = attn(x, token_ids=TOKENS), attn(changed, token_ids=TOKENS)
+    assert (out[:, :7] - out_changed[:, :7]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name, n_heads_out", [("lego_v0", 4), ("lego_v1", 4 + 2)])
+def test_forward_and_backward_run_and_v1_keeps_every_standard_head(name, n_heads_out):
+    attn = lego_attention(name, causal=False)
+    assert attn.c_proj.in_features == n_heads_out * 8
+    assert hasattr(attn, "c_attn") == (name == "lego_v1")
+    out = attn(torch.randn(2, 9, 16, dtype=torch.float64), token_ids=TOKENS.expand(2, 9))
+    out.square().sum().backward()
+    assert out.shape == (2, 9, 16)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in attn.parameters())
+
+
+def test_lego_attention_refuses_a_decoding_cache():
+    from attention import LayerCache
+    with pytest.raises(ValueError, match="use_cache=False"):
+        lego_attention("lego_v0", causal=True)(torch.randn(1, 3, 16, dtype=torch.float64),
+                                               cache=LayerCache())
+
+
+def test_a_bidirectional_gpt_with_lego_v1_trains_on_lego_and_shows_its_maps():
+    task = get_task("lego", group="s3", n_vars=4)
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_layer=2,
+                       n_head=2, n_embd=32, attn="lego_v1", causal=False,
+                       broadcast_ids=task.broadcast_ids)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(5):
+        x, y = task.sample(16, generator)
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    maps = model.attention_maps(x)
+    assert len(maps) == 2
+    assert all(m.shape == (16, 3 + 2, task.block_size, task.block_size) for m in maps)
+    torch.testing.assert_close(maps[0][:, :3].sum(-1), torch.ones(16, 3, task.block_size))

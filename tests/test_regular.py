@@ -1,0 +1,200 @@
+"""The twelve regular-language tasks: labels against the plain-Python solver, and the promises
+of the interface (one length per batch, one label at the end, balanced and uniform sampling)."""
+
+import collections
+import itertools
+import re
+
+import pytest
+import torch
+
+from data import get_task
+
+SEQUENCE_TASKS = ["even_pairs", "parity", "cycle_navigation", "modular_arithmetic"]
+RECOGNITION_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6"]
+ALL_TASKS = SEQUENCE_TASKS + RECOGNITION_TASKS
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def all_strings(task, length):
+    """Every string of input symbols of this length, as a (n, length) LongTensor."""
+    ids = range(len(task.symbols))
+    return torch.tensor(list(itertools.product(ids, repeat=length)), dtype=torch.long)
+
+
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_labels_equal_the_solver_at_short_and_long_lengths(name):
+    task = get_task(name)
+    lengths = [1, 2, 3, 4, 7, task.train_lengths[-1], task.test_lengths[0], task.block_size]
+    for length in lengths:
+        x, y = task.sample(32, seeded(length), length=length)
+        assert x.shape == y.shape == (32, length)
+        assert torch.equal(y, task.solve(x)), f"{name} at length {length}"
+        assert (y[:, :-1] == -1).all()
+        assert (y[:, -1] >= len(task.symbols)).all() and (y[:, -1] < task.vocab_size).all()
+        assert (x >= 0).all() and (x < len(task.symbols)).all()  # inputs never use class tokens
+        assert torch.equal(task.chain_depth(x), torch.full_like(x, length))
+
+
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_interface_and_vocabulary(name):
+    task = get_task(name)
+    assert task.name == name
+    assert task.vocab_size == len(task.vocab) == len(task.symbols) + len(task.classes)
+    assert task.vocab[len(task.symbols):] == task.classes
+    assert task.block_size == task.test_lengths[-1]
+    assert task.test_lengths[0] == task.train_lengths[-1] + 1 and task.train_lengths[0] == 1
+    expected = (40, 500) if name in SEQUENCE_TASKS else (50, 100)
+    assert (task.train_lengths[-1], task.block_size) == expected
+    x, y = task.sample(2, seeded(), length=5)
+    assert task.decode(x[0]).count(" ") == 4
+    assert task.vocab[int(y[0, -1])] in task.describe(x[0], y[0], predictions=y[0])
+    assert "right" in task.describe(x[0], y[0], predictions=y[0])
+
+
+@pytest.mark.parametrize("name", ["parity", "d4", "modular_arithmetic"])
+def test_one_length_per_batch_drawn_from_the_training_lengths_reproducibly(name):
+    task = get_task(name)
+    generator = seeded(3)
+    lengths = [task.sample(1, generator)[0].size(1) for _ in range(200)]
+    assert set(lengths) <= set(task.train_lengths)
+    assert len(set(lengths)) > 0.75 * len(task.train_lengths)  # spread over the range
+    a, b = task.sample(8, seeded(7)), task.sample(8, seeded(7))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_length_options_move_the_ranges():
+    task = get_task("tomita4", max_train_length=10, max_test_length=20)
+    assert task.train_lengths == range(1, 11) and task.test_lengths == range(11, 21)
+    assert task.block_size == 20
+    task = get_task("parity", max_train_length=100)
+    assert task.test_lengths == range(101, 501)
+
+
+@pytest.mark.parametrize("name, options, flag", [
+    ("parity", dict(p_one=1.5), "--p_one"),
+    ("parity", dict(p_one=0.0), "--p_one"),
+    ("even_pairs", dict(max_train_length=0), "--max_train_length"),
+    ("d2", dict(max_train_length=0), "--max_train_length"),
+    ("tomita6", dict(max_test_length=50), "--max_test_length"),
+    ("modular_arithmetic", dict(max_train_length=600), "--max_test_length"),
+])
+def test_bad_options_name_the_flag(name, options, flag):
+    with pytest.raises(ValueError, match=flag):
+        get_task(name, **options)
+
+
+def docstring_examples():
+    """Every "<task> example: tokens -> label" line in the task classes' docstrings."""
+    found = set()
+    for name in ALL_TASKS:
+        doc = type(get_task(name)).__doc__
+        found |= set(re.findall(r"(\w+) example: (.+?) -> (\S+)", doc))
+    return sorted(found)
+
+
+def test_docstring_worked_examples_match_the_solver():
+    examples = docstring_examples()
+    assert {name for name, _, _ in examples} >= set(SEQUENCE_TASKS) | {"d2", "tomita3", "tomita4",
+                                                                     "tomita5", "tomita6"}
+    for name, tokens, label in examples:
+        task = get_task(name)
+        x = torch.tensor([[task.vocab.index(token) for token in tokens.split()]])
+        assert task.vocab[int(task.solve(x)[0, -1])] == label, f"{name}: {tokens}"
+
+
+def test_sampled_labels_agree_with_a_slow_direct_computation():
+    # A third route for the arithmetic: evaluate * first by hand, no eval, no torch.
+    task = get_task("modular_arithmetic")
+    x, y = task.sample(64, seeded(1), length=21)
+    for row, label in zip(x.tolist(), y[:, -1].tolist()):
+        words = [task.vocab[i] for i in row]
+        terms, sign = [], 1
+        for word in words:
+            if word in "+-":
+                sign = 1 if word == "+" else -1
+            elif word == "*":
+                sign = "*"
+            elif sign == "*":
+                terms[-1] *= int(word)
+            else:
+                terms.append(sign * int(word))
+        assert task.vocab[label] == f"={sum(terms) % 5}"
+
+
+def test_modular_arithmetic_layout_and_leading_plus():
+    task = get_task("modular_arithmetic")
+    digits, operators = torch.arange(5), torch.tensor([5, 6, 7])
+    for length in (1, 2, 9, 10, 40):
+        x, _ = task.sample(16, seeded(length), length=length)
+        first_digit = 1 - length % 2  # even lengths start with the leading +
+        if first_digit:
+            assert (x[:, 0] == task.vocab.index("+")).all()
+        assert torch.isin(x[:, first_digit::2], digits).all()
+        assert torch.isin(x[:, 1 - first_digit::2], operators).all()
+    x, _ = task.sample(512, seeded(), length=41)
+    ops = x[:, 1::2].flatten().bincount(minlength=8)[5:] / x[:, 1::2].numel()
+    assert (abs(ops - 1 / 3) < 0.03).all()  # + - * uniform
+
+
+@pytest.mark.parametrize("p", [0.1, 0.7])
+def test_parity_p_one_sets_the_fraction_of_ones(p):
+    x, _ = get_task("parity", p_one=p).sample(256, seeded(), length=40)
+    assert abs(x.float().mean().item() - p) < 0.02
+
+
+@pytest.mark.parametrize("name", RECOGNITION_TASKS)
+def test_recognition_batches_are_balanced_or_one_class(name):
+    task = get_task(name)
+    for length in [1, 2, 3, 4, 5, 6, 7, 8, 37, 50, 97, 100]:
+        if length <= 8:  # which classes exist, by brute force over every string
+            exists = set(task.solve(all_strings(task, length))[:, -1].tolist())
+        else:  # D_n and T5 have no odd-length members; every other case has both classes
+            no_members = length % 2 == 1 and (name.startswith("d") or name == "tomita5")
+            labels = ["no"] if no_members else ["no", "yes"]
+            exists = {task.vocab.index(label) for label in labels}
+        x, y = task.sample(64, seeded(length), length=length)
+        counts = collections.Counter(y[:, -1].tolist())
+        if len(exists) == 2:
+            assert list(counts.values()) == [32, 32], f"{name} at length {length}"
+        else:
+            assert set(counts) == exists
+        members = [task.is_member("".join(task.vocab[i] for i in row))
+                   for row, label in zip(x.tolist(), y[:, -1].tolist())
+                   if task.vocab[label] == "yes"]
+        assert all(members)
+
+
+def test_known_single_class_lengths():
+    # From the RegularGPT fork's notes: T3 length 1 and T4 lengths < 3 are all positive,
+    # T6 length 1 all negative.
+    for name, length, label in [("tomita3", 1, "yes"), ("tomita4", 2, "yes"), ("tomita6", 1, "no")]:
+        task = get_task(name)
+        _, y = task.sample(16, seeded(), length=length)
+        assert (y[:, -1] == task.vocab.index(label)).all()
+
+
+def test_positives_and_negatives_are_uniform_on_a_small_case():
+    # D_2 at length 8 has 8 members (Dyck words of depth <= 2) among the 256 strings.
+    task = get_task("d2")
+    every = all_strings(task, 8)
+    is_yes = task.solve(every)[:, -1] == task.vocab.index("yes")
+    members = {tuple(row) for row in every[is_yes].tolist()}
+    assert len(members) == 8
+    x, y = task.sample(16000, seeded(), length=8)
+    yes = y[:, -1] == task.vocab.index("yes")
+    counts = collections.Counter(map(tuple, x[yes].tolist()))
+    assert set(counts) == members
+    assert all(abs(n - 1000) < 150 for n in counts.values())  # 8000 draws, about 1000 each
+    # Negatives: 248 non-members, 8000 draws, about 32 each; all of them show up.
+    counts = collections.Counter(map(tuple, x[~yes].tolist()))
+    assert len(counts) == 248 and max(counts.values()) < 70
+
+
+def test_long_lengths_do_not_overflow_the_counts():
+    task = get_task("d12")
+    x, y = task.sample(8, seeded(), length=1200)  # 2^1200 strings: beyond float64 unscaled
+    assert torch.equal(y, task.solve(x))
