@@ -4,14 +4,17 @@ Speed and memory of ChaCAL against standard attention, as ratios measured in one
     python bench.py            # full sizes on a GPU; small sizes on a CPU
     python bench.py --small    # the small sizes anywhere (a minute on a laptop)
 
-Three tables:
+Four tables:
 1. the attention core alone (forward + backward), standard (fused SDPA) vs ChaCAL (triangular
    solve), at growing sequence lengths with the number of tokens per batch held fixed;
 2. a whole one-layer model's training step (forward, backward, AdamW), same lengths;
 3. decoding tokens/s: standard with its KV cache, ChaCAL with its mixed-value cache, and ChaCAL
-   re-solving the whole prefix for every token (what decoding would cost without the cache).
+   re-solving the whole prefix for every token (what decoding would cost without the cache);
+4. LEGO attention v0 and v1 against standard attention in a bidirectional layer: FLOPs of a
+   training step (forward + backward), attention parameters and step time (the LEGO paper's
+   Figure 9, which counts FLOPs on batches of 64 x 512 tokens).
 
-On a GPU a fourth line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
+On a GPU a fifth line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
 reports the training seconds it took. Each target of the project is printed beside its figure.
 Peak memory is reported on CUDA only (PyTorch tracks no CPU peak).
 """
@@ -21,6 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import train
 from attention import chacal_attention
@@ -64,11 +68,12 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def bench_model_step(attn, T, tokens, size, dtype, device, repeats):
+def bench_model_step(attn, T, tokens, size, dtype, device, repeats, **options):
     """Median time and peak memory of one training step of a one-layer model."""
     B = max(1, tokens // T)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size)).to(device)
+    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 128, (B, T), device=device)
 
@@ -80,6 +85,18 @@ def bench_model_step(attn, T, tokens, size, dtype, device, repeats):
         optimizer.zero_grad(set_to_none=True)
 
     return timed(step, device, repeats)
+
+
+def count_step(attn, T, tokens, size, **options):
+    """FLOPs of one forward + backward of a one-layer model, and its attention's parameters.
+    Counted on the CPU in float32: a count, not a timing, so the device does not matter."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
+    x = torch.randint(0, 128, (max(1, tokens // T), T))
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(x, x)
+        loss.backward()
+    return counter.get_total_flops(), sum(p.numel() for p in model.transformer.h[0].attn.parameters())
 
 
 def bench_decode(attn, use_cache, T, batch, size, dtype, device):
@@ -160,8 +177,21 @@ def main():
         decode_ratios.append(cha / std)
     target("ChaCAL cached decoding tokens/s / standard (worst length)", min(decode_ratios), ">=", 0.9)
 
+    lego_T = 512 if full else 128
+    print(f"\n4. LEGO attention, one bidirectional layer, training step at T = {lego_T} "
+          f"({tokens} tokens; [CLS], [SEP] = ids 0, 1)")
+    print(f"{'attention':<10} {'GFLOPs':>9} {'ratio':>7} {'attn params':>12} {'ratio':>7} {'ms':>9} {'ratio':>7}")
+    lego = dict(causal=False, broadcast_ids=(0, 1))
+    baseline = None
+    for attn in ["standard", "lego_v0", "lego_v1"]:
+        flops, params = count_step(attn, lego_T, tokens, size, **lego)
+        seconds, _ = bench_model_step(attn, lego_T, tokens, size, dtype, device, args.repeats, **lego)
+        baseline = baseline or (flops, params, seconds)
+        print(f"{attn:<10} {flops / 1e9:>9.2f} {flops / baseline[0]:>6.2f}x {params:>12,} "
+              f"{params / baseline[1]:>6.2f}x {seconds * 1e3:>9.2f} {seconds / baseline[2]:>6.2f}x")
+
     if full:
-        print("\n4. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
+        print("\n5. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
         with tempfile.TemporaryDirectory() as out_dir:
             run = train.main(f"--attn chacal --task toy --n_embd 512 --n_head 8 --batch_size 128 "
                              f"--lr 1e-3 --warmup_iters 100 --max_iters 1500 --eval_interval 50 "
