@@ -225,23 +225,36 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
-                 generator=None, stop_token=None):
+                 generator=None, stop_token=None, prompt_lengths=None):
         """Continue idx (B, T) by up to max_new_tokens tokens; returns (B, T + new tokens).
 
         temperature=0 is greedy decoding. With use_cache the prompt is encoded once (for ChaCAL,
         one triangular solve) and every new token costs one step against the cache; without it,
         each new token recomputes the whole sequence, which is slower but obviously right.
         Generation ends early once every row has produced stop_token (e.g. an end-of-answer id).
+
+        prompt_lengths (B,): prompts of different lengths in one batch, row r's prompt being
+        idx[r, :prompt_lengths[r]] (the rest is ignored). Decoding starts after the shortest
+        prompt, and a row still inside its own prompt takes the prompt's next token instead of a
+        generated one, so each row reads exactly its own prompt at its own positions, with no
+        padding inside the attention. Row r's answer then starts at column prompt_lengths[r], and
+        every row may write up to max_new_tokens tokens.
         """
-        if self.config.pos == "learned" and idx.size(1) + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"is longer than block_size {self.config.block_size}")
         if not self.config.causal:
             raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
+        prompts = idx
+        lengths = torch.full((idx.size(0),), idx.size(1), device=idx.device)
+        if prompt_lengths is not None:
+            lengths = torch.as_tensor(prompt_lengths, device=idx.device)
+            idx = idx[:, :int(lengths.min())]
+        end = int(lengths.max()) + max_new_tokens
+        if self.config.pos == "learned" and end > self.config.block_size:
+            raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
+                             f"({max_new_tokens}) is longer than block_size {self.config.block_size}")
         caches = self.new_caches() if use_cache else None
         new_tokens = idx  # what the next forward has to read
         finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        for _ in range(max_new_tokens):
+        while idx.size(1) < end:
             logits, _ = self(new_tokens if use_cache else idx, caches=caches)
             logits = logits[:, -1, :]
             if temperature == 0:
@@ -252,10 +265,15 @@ class GPT(nn.Module):
                     kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth_largest, float("-inf"))
                 next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            position = idx.size(1)
+            in_prompt = position < lengths                                      # (B,)
+            if in_prompt.any():
+                next_token = torch.where(in_prompt[:, None], prompts[:, position:position + 1],
+                                         next_token)
             idx = torch.cat([idx, next_token], dim=1)
             new_tokens = next_token
             if stop_token is not None:
-                finished = finished | (next_token[:, 0] == stop_token)
+                finished = finished | ((next_token[:, 0] == stop_token) & ~in_prompt)
                 if finished.all():
                     break
         return idx

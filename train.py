@@ -29,7 +29,7 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-from data import REGULAR_LANGUAGES, get_task
+from data import EOS, REGULAR_LANGUAGES, decode, get_task
 from model import GPT, GPTConfig
 
 
@@ -111,7 +111,9 @@ def build_parser():
     add("--max_iters", type=int, default=1000, help="training steps")
     # evaluation and output
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every this many steps")
-    add("--eval_samples", type=int, default=1024, help="fresh test sequences per evaluation")
+    add("--eval_samples", type=int, default=1024,
+        help="fresh test sequences per evaluation; boxes: also how many test prompts (the first "
+        "ones) are answered by greedy generation and scored by exact match")
     add("--out_dir", default="out", help="where metrics.jsonl and ckpt.pt go")
     add("--resume", action="store_true",
         help="continue the run saved in out_dir; flags you type override its saved settings")
@@ -204,6 +206,36 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
         "eval_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)},
         "eval_whole_sequences": whole / n_sequences,
     }
+
+
+@torch.no_grad()
+def evaluate_answers(model, task, n_examples, batch_size, device, autocast):
+    """Write the answers to the first n_examples test prompts (the same ones at every
+    evaluation) by greedy generation with the cache, as a user of the model would get them, and
+    score them against the simulator: exact match of the whole answer, and the share of boxes
+    whose contents are stated exactly, overall and by the box's chain depth."""
+    model.eval()
+    n = min(n_examples, len(task.rows))
+    exact, hits, counts = 0, {}, {}
+    for start in range(0, n, batch_size):
+        prompts = [task.prompt_and_answer(i)[0] for i in range(start, min(n, start + batch_size))]
+        lengths = torch.tensor([len(p) for p in prompts])
+        padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(device)
+        with autocast:
+            out = model.generate(padded, model.config.block_size - int(lengths.max()),
+                                 temperature=0, stop_token=EOS, prompt_lengths=lengths).cpu()
+        for prompt, length, row in zip(prompts, lengths.tolist(), out.tolist()):
+            answer = row[length:]
+            answer = answer[:answer.index(EOS)] if EOS in answer else answer
+            right, boxes = task.score_answer(prompt, decode(answer))
+            exact += right
+            for depth, box_right in boxes:
+                hits[depth] = hits.get(depth, 0) + box_right
+                counts[depth] = counts.get(depth, 0) + 1
+    model.train()
+    return {"eval_exact_match": exact / n,
+            "eval_box_acc": sum(hits.values()) / sum(counts.values()),
+            "eval_box_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)}}
 
 
 def smoothed(maps, causal):
@@ -494,14 +526,20 @@ def main(argv=None):
                     mimic_losses = None
                 record.update(evaluate(model, test_task, args.eval_samples, args.batch_size,
                                        eval_rng, device, autocast))
+                if hasattr(test_task, "score_answer"):  # boxes: answers written, then scored
+                    record.update(evaluate_answers(model, test_task, args.eval_samples,
+                                                   args.batch_size, device, autocast))
                 metrics.append(record)
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 save_checkpoint(ckpt_path, model, optimizer, args, step, train_time,
                                 data_rng, eval_rng)
+                answers = (f", exact match by generation {record['eval_exact_match']:.2%}, "
+                           f"boxes right {record['eval_box_acc']:.2%}"
+                           if "eval_exact_match" in record else "")
                 bar.write(f"step {step}: test loss {record['eval_loss']:.4f}, "
                           f"test accuracy {record['eval_acc']:.2%}, "
-                          f"whole sequences right {record['eval_whole_sequences']:.2%}")
+                          f"whole sequences right {record['eval_whole_sequences']:.2%}{answers}")
                 window_loss, window_hits, window_count, window_steps = 0.0, 0, 0, 0
                 tick = time.perf_counter()
     except KeyboardInterrupt:
@@ -532,6 +570,9 @@ def summarize(args, config, n_params, metrics):
     first_99 = next((m for m in metrics if m["eval_acc"] >= 0.99), None)
     reached = (f"first >= 99% at step {first_99['step']} ({first_99['train_time']:.0f} s)"
                if first_99 else "never reached 99%")
+    if "eval_exact_match" in final:
+        reached += (f"; generated answers: exact match {final['eval_exact_match']:.2%}, "
+                    f"boxes right {final['eval_box_acc']:.2%}")
     if "length_score" in final:
         lengths = list(final["length_acc"])
         reached += (f"; lengths {lengths[0]}..{lengths[-1]} (never trained on): "

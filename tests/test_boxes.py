@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import data
-from data import (BOS, EOS, OBJECTS, SEP, VOCAB, decode, encode, generate_example, get_task,
-                  render_answer, signature_split, simulate)
+from data import (BOS, EOS, OBJECTS, PAD, SEP, VOCAB, decode, encode, generate_example, get_task,
+                  parse_answer, render_answer, signature_split, simulate)
 
 # The ChaCAL paper's appendix, Table 5 (default version) and Table 6 (advanced version).
 TABLE_5_PROMPT = (
@@ -177,9 +177,10 @@ def test_train_and_test_never_share_an_initial_signature(version):
 def test_sample_scores_only_the_answer_and_matches_the_solver(version):
     t = task(version)
     x, y = t.sample(32, torch.Generator().manual_seed(0))
-    assert x.shape == y.shape == (32, t.block_size) and t.block_size % 64 == 0
+    assert x.shape == y.shape and x.size(0) == 32 and x.size(1) <= t.block_size
+    assert t.block_size % 64 == 0
     assert x.dtype == y.dtype == torch.long and t.vocab_size == len(VOCAB) and x.max() < t.vocab_size
-    positions = torch.arange(t.block_size)
+    positions = torch.arange(x.size(1))
     sep = (x == SEP).int().argmax(1, keepdim=True)
     eos = (x == EOS).int().argmax(1, keepdim=True)
     answer = (positions >= sep) & (positions < eos)
@@ -190,6 +191,31 @@ def test_sample_scores_only_the_answer_and_matches_the_solver(version):
     assert torch.equal(depth == -1, y == -1) and depth.max() > 3
     a, b = t.sample(4, torch.Generator().manual_seed(5)), t.sample(4, torch.Generator().manual_seed(5))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_batches_are_trimmed_to_their_longest_row():
+    t = task("advanced")
+    x, y = t.sample(8, torch.Generator().manual_seed(1))
+    longest = int((x != PAD).sum(1).max())
+    assert x.size(1) == longest < t.block_size and (x[:, -1] != PAD).any()
+    assert torch.equal(t.solve(x), y)  # nothing scored was cut
+
+
+def test_answers_are_scored_whole_and_box_by_box():
+    t = task("default")
+    prompt = torch.tensor([BOS, *encode(TINY_PROMPT), SEP])
+    assert parse_answer(TINY_ANSWER) == {"A": {"key"}, "B": set(), "C": {"cup", "map"}}
+    assert t.score_answer(prompt, TINY_ANSWER) == (True, [(1, True), (1, True), (2, True)])
+    wrong_c = "Box A contains the key, Box B is empty, Box C contains the cup."
+    assert t.score_answer(prompt, wrong_c) == (False, [(1, True), (1, True), (2, False)])
+    garbled = "Box A contains the key, Box B Box, the map"  # B unreadable, C missing
+    assert t.score_answer(prompt, garbled) == (False, [(1, True), (1, False), (2, False)])
+    reordered = "Box C contains the map and the cup, Box B is empty, Box A contains the key."
+    assert t.score_answer(prompt, reordered) == (False, [(1, True), (1, True), (2, True)])
+    # The advanced version names only filled boxes: an empty box is not scored.
+    advanced = task("advanced")
+    assert advanced.score_answer(prompt, "Box A contains the key, Box C contains the cup and "
+                                 "the map.") == (True, [(1, True), (2, True)])
 
 
 def test_docstring_example_labels_and_chain_depth():

@@ -50,6 +50,26 @@ def test_greedy_generation_with_and_without_cache_agree(attn):
     assert torch.equal(cached[:, :6], prompt)
 
 
+@pytest.mark.parametrize("attn", ATTENTION_STACKS)
+def test_prompts_of_different_lengths_decode_together_as_they_would_alone(attn):
+    model = small_model(attn)
+    lengths = [9, 4, 6]
+    padded = torch.randint(0, 30, (3, 9), generator=torch.Generator().manual_seed(4))
+    padded[1, 4:] = padded[2, 6:] = 0  # padding: must never be read
+    together = model.generate(padded, 12, temperature=0, prompt_lengths=torch.tensor(lengths))
+    for row, length in enumerate(lengths):
+        alone = model.generate(padded[row:row + 1, :length], 12, temperature=0)
+        assert torch.equal(together[row, :length + 12], alone[0])
+    # The batch stops at the column where the last row writes the stop token (a stop token
+    # inside a prompt does not count), and is the same as decoding on up to there.
+    stop = int(together[1, 4])  # row 1's first generated token
+    early = model.generate(padded, 12, temperature=0, prompt_lengths=torch.tensor(lengths),
+                           stop_token=stop)
+    first_stops = [next((t for t in range(length, together.size(1)) if together[row, t] == stop),
+                        together.size(1) - 1) for row, length in enumerate(lengths)]
+    assert torch.equal(early, together[:, :max(first_stops) + 1])
+
+
 def test_sampling_is_reproducible_with_a_generator_and_respects_top_k():
     model = small_model("chacal")
     prompt = torch.zeros(2, 1, dtype=torch.long)

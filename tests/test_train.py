@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import train
-from data import get_task
+from data import EOS, decode, encode, get_task, parse_answer, render_answer
+from model import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
@@ -160,6 +161,44 @@ def test_evaluate_counts_whole_sequences_and_depths():
     flawed = evaluate(Oracle(task.vocab_size, wrong_rows=[0, 3]))  # 2 of 8 rows, 1 token each
     assert flawed["eval_whole_sequences"] == 6 / 8
     assert flawed["eval_acc_by_depth"] == {"1": 1.0, "2": 1.0, "3": 30 / 32}
+
+
+class AnswerWriter(torch.nn.Module):
+    """Stands in for a model in generate(): writes each test row's true answer, with Box A's
+    contents changed (emptied, or given a cup) in the rows it is told to spoil."""
+
+    def __init__(self, task, spoiled_rows=()):
+        super().__init__()
+        self.config = GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size)
+        self.rows, self.spoiled = task.rows.long(), set(spoiled_rows)
+
+    def generate(self, idx, max_new_tokens, temperature, stop_token, prompt_lengths):
+        out = torch.zeros(idx.size(0), int(prompt_lengths.max()) + max_new_tokens, dtype=torch.long)
+        for r, length in enumerate(prompt_lengths.tolist()):
+            row = next(i for i in range(len(self.rows))
+                       if torch.equal(self.rows[i, :length], idx[r, :length]))
+            answer = self.rows[row, length:].tolist()
+            answer = answer[:answer.index(EOS) + 1]
+            if row in self.spoiled:
+                boxes = parse_answer(decode(answer[:-1]))
+                boxes["A"] = set() if boxes["A"] else {"cup"}
+                answer = encode(render_answer(boxes)) + [EOS]
+            out[r, :length], out[r, length:length + len(answer)] = idx[r, :length], torch.tensor(answer)
+        return out
+
+
+def test_answers_by_generation_are_scored_against_the_simulator(tmp_path):
+    task = get_task("boxes", n_train=8, n_test=12, split="test", cache_dir=str(tmp_path))
+
+    def evaluate(model):
+        return train.evaluate_answers(model, task, n_examples=10, batch_size=4, device="cpu",
+                                      autocast=contextlib.nullcontext())
+
+    perfect = evaluate(AnswerWriter(task))
+    assert perfect["eval_exact_match"] == 1 and perfect["eval_box_acc"] == 1
+    spoiled = evaluate(AnswerWriter(task, spoiled_rows=[0, 5]))  # one box of seven wrong in each
+    assert spoiled["eval_exact_match"] == 8 / 10 and spoiled["eval_box_acc"] == 68 / 70
+    assert 0 < min(spoiled["eval_box_acc_by_depth"].values()) < 1
 
 
 def test_regular_language_run_scores_every_unseen_length(tmp_path):
