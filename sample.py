@@ -73,9 +73,10 @@ def answer_boxes(model, task, args, device, parser):
                          use_cache=not args.no_cache, stop_token=EOS)[0, len(prompt):].tolist()
     seconds = time.perf_counter() - start
     answer = decode(out[:out.index(EOS)] if EOS in out else out)
+    exact, boxes = task.score_answer(prompt, answer)  # scored as train.py scores its test set
     print(f"prompt: {prompt_text}\nmodel : {answer}\ntruth : {truth}")
-    print(f"exact match: {'yes' if answer == truth else 'no'}; "
-          f"{speed(len(out), seconds, device, args.no_cache)}")
+    print(f"exact match: {'yes' if exact else 'no'}; boxes right {sum(r for _, r in boxes)}/"
+          f"{len(boxes)}; {speed(len(out), seconds, device, args.no_cache)}")
 
 
 def main(argv=None):

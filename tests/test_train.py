@@ -128,7 +128,7 @@ def test_boxes_run_trains_and_answers_a_typed_prompt(tmp_path, monkeypatch):
     result = run_script("sample.py", "--out_dir", "run", "--prompt", prompt, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "truth : Box A contains the cup, Box B is empty." in result.stdout
-    assert "exact match:" in result.stdout
+    assert "exact match:" in result.stdout and "boxes right" in result.stdout and "/2;" in result.stdout
     bad = run_script("sample.py", "--out_dir", "run", "--prompt", "Juggle Box A.", cwd=tmp_path)
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
 
