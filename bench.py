@@ -68,12 +68,16 @@ def autocast(device, dtype):
     return torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
 
+def one_layer_model(attn, T, size, **options):
+    """The model every table measures: one block of `attn`, seeded so runs build the same weights."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
+
+
 def bench_model_step(attn, T, tokens, size, dtype, device, repeats, **options):
     """Median time and peak memory of one training step of a one-layer model."""
     B = max(1, tokens // T)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
-    model = model.to(device)
+    model = one_layer_model(attn, T, size, **options).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 128, (B, T), device=device)
 
@@ -90,8 +94,7 @@ def bench_model_step(attn, T, tokens, size, dtype, device, repeats, **options):
 def count_step(attn, T, tokens, size, **options):
     """FLOPs of one forward + backward of a one-layer model, and its attention's parameters.
     Counted on the CPU in float32: a count, not a timing, so the device does not matter."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
+    model = one_layer_model(attn, T, size, **options)
     x = torch.randint(0, 128, (max(1, tokens // T), T))
     with FlopCounterMode(display=False) as counter:
         _, loss = model(x, x)
@@ -101,9 +104,7 @@ def count_step(attn, T, tokens, size, **options):
 
 def bench_decode(attn, use_cache, T, batch, size, dtype, device):
     """Tokens/s generating T - 1 tokens after a 1-token prompt with a one-layer model."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size))
-    model = model.to(device).eval()
+    model = one_layer_model(attn, T, size).to(device).eval()
     prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
     def decode():
