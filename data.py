@@ -856,15 +856,20 @@ class LEGO:
 
     A sentence is n clauses (n_vars, 12 by default), each five tokens `var = op arg ,`, between
     [CLS] and [SEP]: 5n + 2 tokens. The n variables are distinct letters of a..z. The chain's
-    root assigns an op applied to a value (`b = + 1 ,` sets b to 1); every other clause applies
+    root assigns a value (`b = + 1 ,` sets b to 1); every other clause applies
     an op to the variable of the clause before it in the chain (`c = - b ,` sets c to -b, the
     flip of b). The clauses are then shuffled, root included: the chain is only found by
     matching equal variable names anywhere in the sentence.
 
+    The root's op is always the identity (+, or p012 in S3) and its value is uniform, as in the
+    official code (`l = val 0 ,`); the paper's text fixes the value to 1, which would make #0 a
+    constant. A random op at the root would make #0 the XOR of two tokens, which no single token
+    predicts: training then sits at chance even on #0, and never climbs the chain.
+
     group="z2", the paper's Task 1: ops + (keep) and - (flip) on the values 0 and 1.
     group="s3", Task 2: the six permutations of the values 0 1 2 (p012 ... p210, see
     LEGO_GROUPS); `y = p120 x ,` sets y to where p120 sends the value of x.
-    Ops, the root's value and the variables are uniform, so each variable is uniform too.
+    The other ops, the root's value and the variables are uniform, so each value is uniform too.
 
     Worked example, z2, n = 3: the sentence [CLS] a = - c , b = + 1 , c = - b , [SEP] (the
     chain b -> c -> a), its labels y (value tokens; "-" is -1, not scored) and chain_depth:
@@ -923,6 +928,7 @@ class LEGO:
         # the value the root's op acts on.
         variables = torch.rand(B, 26, generator=generator).argsort(dim=1)[:, :n]   # (B, n)
         ops = torch.randint(n_ops, (B, n), generator=generator)
+        ops[:, 0] = 0  # the root's op is the identity (+, p012): #0 reads its value directly
         root_value = torch.randint(n_values, (B,), generator=generator)
         values = torch.empty(B, n, dtype=torch.long)
         previous = root_value

@@ -29,6 +29,7 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
+from attention import ATTENTIONS
 from data import EOS, REGULAR_LANGUAGES, decode, get_task
 from model import GPT, GPTConfig
 
@@ -46,10 +47,11 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add = parser.add_argument
     # what to train
-    add("--task", default="toy", help="task to train on: toy (pointer chains), boxes (text), or a "
-        "regular language: " + ", ".join(REGULAR_LANGUAGES))
-    add("--attn", default="chacal",
-        help="attention of every layer (standard, chacal, dilated), or one per layer: standard,chacal")
+    add("--task", default="toy", help="task to train on: toy (pointer chains), boxes (text), lego "
+        "(chains of assignments; with --bidirectional), or a regular language: "
+        + ", ".join(REGULAR_LANGUAGES))
+    add("--attn", default="chacal", help="attention of every layer (" + ", ".join(ATTENTIONS)
+        + "), or one per layer: standard,chacal")
     add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention")
     add("--chunk", type=int, default=2,
         help="dilated: chunk size C (offsets 0, d, .., (C-1)d); also the base of --n_layer auto")

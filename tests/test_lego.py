@@ -68,6 +68,20 @@ def test_every_clause_is_five_tokens_and_the_variables_are_distinct(group, n_var
             assert (equals, comma) == ("=", ",") and op in task.ops
             assert argument in task.value_words or argument in variables
         assert sum(clause[3] in task.value_words for clause in clauses) == 1  # one root
+        root = next(clause for clause in clauses if clause[3] in task.value_words)
+        assert root[2] == task.ops[0] and LEGO.apply(root[2], 0) == 0  # the identity
+
+
+@pytest.mark.parametrize("group", ["z2", "s3"])
+def test_the_root_value_and_the_other_ops_are_uniform(group):
+    task = get_task("lego", group=group, n_vars=12)
+    x, _ = batch(task, 6000)
+    clauses = x[:, 1:-1].reshape(-1, 5)
+    is_root = clauses[:, 3] >= task.first_value
+    for column, mask, n in ((3, is_root, len(task.values)), (2, ~is_root, len(task.ops))):
+        counts = clauses[mask, column].bincount(minlength=task.vocab_size)
+        counts = counts[counts > 0].double()
+        assert len(counts) == n and (counts / counts.mean() - 1).abs().max() < 0.1
 
 
 @pytest.mark.parametrize("group", ["z2", "s3"])
@@ -116,6 +130,25 @@ def test_sampling_is_seeded_and_fast_enough():
     x2, y2 = batch(task, 1000, seed=3)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert not torch.equal(x1, batch(task, 1000, seed=4)[0])
+
+
+def test_a_small_bidirectional_model_learns_the_root_in_a_few_steps():
+    # #0 is read from its own clause; were it the XOR of two tokens (a random op at the root),
+    # this model would stay at chance for thousands of steps.
+    torch.manual_seed(0)
+    task = get_task("lego", n_vars=4, n_supervised=1)
+    model = GPT(GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_layer=1,
+                          n_head=2, n_embd=32, attn="standard", causal=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        _, loss = model(*task.sample(64, generator))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    x, y = task.sample(512, generator)
+    scored = y != -1
+    assert (model(x)[0].argmax(-1)[scored] == y[scored]).float().mean() > 0.95
 
 
 @pytest.mark.parametrize("options, flag", [
