@@ -248,37 +248,63 @@ class SlidingDilatedAttention(CausalSelfAttention):
         . . . . . . x x     . . . . . x . x     . . . x . . . x
 
     The paper's code computes the same tree for the last token by shrinking the sequence C-fold
-    per level; this mask form gives an output at every position instead, as a GPT needs. Keys
-    before position 0 are simply absent (the official code pads with a learned vector).
+    per level; this mask form gives an output at every position instead, as a GPT needs.
+
+    Offsets that reach before position 0 read a learned pad vector p instead (its key and value
+    are c_attn(p), with the offset's own r), as the official code pads every level on the left.
+    So every query mixes exactly C entries. Without the pad, parity cannot be learned: token 0
+    alone at level 0 would mix v(x_0) with nothing, which is exactly what a pair of two equal
+    tokens gives, yet parity(1) = 1 and parity(1, 1) = 0. The pad is one extra key column, at
+    the front, whose score takes log Σ exp(r[h, s]) over the steps s that land before 0.
     """
 
     def __init__(self, config):
         super().__init__(config)
         self.chunk, self.thickness = config.chunk, config.thickness
         self.offset_bias = nn.Parameter(0.02 * torch.randn(config.n_head, config.chunk))  # r
+        self.pad = nn.Parameter(0.02 * torch.randn(config.n_embd))                         # p
 
     def score_bias(self, n_queries, n_keys, depth, device):
-        """(nh, Tq, Tk): r[h, step] where the query sees the key, -inf elsewhere."""
+        """(nh, Tq, 1 + Tk): r[h, step] where the query sees the key, -inf elsewhere; column 0 is
+        the pad's, the log-sum-exp of r over the steps that land before position 0."""
         dilation = self.chunk ** (depth // self.thickness)
         query_pos = torch.arange(n_keys - n_queries, n_keys, device=device).view(-1, 1)
         offset = query_pos - torch.arange(n_keys, device=device).view(1, -1)   # (Tq, Tk)
         step = offset // dilation
         visible = (offset >= 0) & (offset % dilation == 0) & (step < self.chunk)
         bias = self.offset_bias[:, step.clamp(0, self.chunk - 1)]                # (nh, Tq, Tk)
-        return bias.masked_fill(~visible, float("-inf"))
+        steps = torch.arange(self.chunk, device=device)
+        before_start = query_pos < steps * dilation                               # (Tq, C)
+        pad = self.offset_bias[:, None, :].masked_fill(~before_start, float("-inf"))
+        return torch.cat([pad.logsumexp(dim=-1, keepdim=True),                  # (nh, Tq, 1)
+                          bias.masked_fill(~visible, float("-inf"))], dim=-1)
+
+    def with_pad(self, k, v):
+        """k and v (B, nh, Tk, hs) with the pad's key and value in front: (B, nh, 1 + Tk, hs)."""
+        B, nh, _, hs = k.shape
+        _, pad_key, pad_value = self.c_attn(self.pad).split(nh * hs)
+        pad_key, pad_value = (t.view(1, nh, 1, hs).expand(B, -1, -1, -1).to(k.dtype)
+                              for t in (pad_key, pad_value))
+        return torch.cat([pad_key, k], dim=-2), torch.cat([pad_value, v], dim=-2)
+
+    def padded_map(self, q, k, depth):
+        """(B, nh, Tq, 1 + Tk): the weights on the pad (column 0) and on every key."""
+        scores = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)
+        bias = self.score_bias(q.size(-2), k.size(-2) - 1, depth, q.device)
+        return (scores + bias.to(q.dtype)).softmax(dim=-1)
 
     def attention_map(self, q, k, token_ids, depth):
-        scores = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)             # (B, nh, Tq, Tk)
-        bias = self.score_bias(q.size(-2), k.size(-2), depth, q.device)
-        return (scores + bias.to(q.dtype)).softmax(dim=-1)
+        """The weights on the tokens, (B, nh, T, T); what a row lacks of 1 went to the pad."""
+        return self.padded_map(q, self.with_pad(k, k)[0], depth)[..., 1:]
 
     def mix(self, q, k, v, cache, depth):
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
+        k, v = self.with_pad(k, v)
         if not self.fused:
-            return self.attention_map(q, k, None, depth) @ v
-        bias = self.score_bias(q.size(-2), k.size(-2), depth, q.device).to(q.dtype)
+            return self.padded_map(q, k, depth) @ v
+        bias = self.score_bias(q.size(-2), k.size(-2) - 1, depth, q.device).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 

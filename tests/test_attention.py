@@ -168,12 +168,45 @@ def test_dilated_mask_of_every_layer_matches_its_offsets(chunk, thickness):
     attn = ATTENTIONS["dilated"](config)
     T = 40
     for depth in range(6):
+        offsets = allowed_offsets(chunk, thickness, depth)
         visible = torch.isfinite(attn.score_bias(T, T, depth, "cpu"))[0]
-        expected = torch.tensor([[m - n in allowed_offsets(chunk, thickness, depth) for n in range(T)]
-                                 for m in range(T)])
-        assert torch.equal(visible, expected), f"layer {depth}"
+        expected = torch.tensor([[m - n in offsets for n in range(T)] for m in range(T)])
+        assert torch.equal(visible[:, 1:], expected), f"layer {depth}"
+        # Column 0, the pad, stands in for the offsets that reach before position 0.
+        reaches_before_start = torch.tensor([any(m - o < 0 for o in offsets) for m in range(T)])
+        assert torch.equal(visible[:, 0], reaches_before_start), f"layer {depth}"
         # The same rows when the queries are the last few tokens of a cache.
-        assert torch.equal(torch.isfinite(attn.score_bias(3, T, depth, "cpu"))[0], expected[-3:])
+        last_rows = torch.isfinite(attn.score_bias(3, T, depth, "cpu"))[0]
+        assert torch.equal(last_rows, visible[-3:])
+
+
+def test_dilated_attention_equals_a_softmax_over_c_entries_with_the_pad_before_the_start():
+    # Written out per query: the C keys at offsets 0, d, .., (C-1)d, each offset that lands
+    # before position 0 a separate copy of the pad's key and value, each with its own r.
+    torch.manual_seed(0)
+    chunk, n_head, hs, T = 3, 2, 4, 11
+    attn = ATTENTIONS["dilated"](GPTConfig(n_embd=n_head * hs, n_head=n_head, attn="dilated",
+                                           chunk=chunk)).double()
+    q, k, v = random_qkv(B=2, nh=n_head, T=T, hs=hs)
+    _, pad_key, pad_value = attn.c_attn(attn.pad).split(n_head * hs)
+    pad_key, pad_value = pad_key.view(n_head, hs), pad_value.view(n_head, hs)
+    for depth in range(3):
+        dilation = chunk ** depth
+        expected = torch.empty_like(q)
+        for b in range(2):
+            for h in range(n_head):
+                for m in range(T):
+                    keys, values, scores = [], [], []
+                    for step in range(chunk):
+                        n = m - step * dilation
+                        key, value = (k[b, h, n], v[b, h, n]) if n >= 0 else (pad_key[h], pad_value[h])
+                        scores.append(q[b, h, m] @ key / hs ** 0.5 + attn.offset_bias[h, step])
+                        values.append(value)
+                    weights = torch.stack(scores).softmax(dim=0)
+                    expected[b, h, m] = (weights[:, None] * torch.stack(values)).sum(dim=0)
+        for fused in (True, False):
+            attn.fused = fused
+            torch.testing.assert_close(attn.mix(q, k, v, None, depth), expected)
 
 
 def test_dilated_output_depends_exactly_on_the_allowed_offsets():
@@ -188,11 +221,21 @@ def test_dilated_output_depends_exactly_on_the_allowed_offsets():
         assert moved == (query - key in allowed_offsets(3, 1, depth)), f"key {key}"
 
 
+def test_dilated_token_zero_alone_differs_from_a_pair_of_equal_tokens():
+    # Parity needs this: parity(1) = 1 but parity(1, 1) = 0. Token 0 reads the pad where a later
+    # token reads its neighbour; with nothing there, both would mix the same single value.
+    torch.manual_seed(0)
+    attn = ATTENTIONS["dilated"](GPTConfig(n_embd=8, n_head=2, attn="dilated")).double()
+    one = torch.randn(1, 1, 8, dtype=torch.float64)
+    alone, pair = attn(one, depth=0)[0, 0], attn(one.repeat(1, 2, 1), depth=0)[0, 1]
+    assert (alone - pair).abs().max() > 1e-3
+
+
 def test_dilated_offset_bias_is_one_learned_scalar_per_head_and_step():
     attn = ATTENTIONS["dilated"](GPTConfig(n_embd=8, n_head=2, attn="dilated", chunk=3))
     with torch.no_grad():
         attn.offset_bias.copy_(torch.tensor([[0.1, 0.2, 0.3], [1.0, 2.0, 3.0]]))
-    bias = attn.score_bias(9, 9, 1, "cpu").detach()  # dilation 3: offsets 0, 3, 6
+    bias = attn.score_bias(9, 9, 1, "cpu").detach()[:, :, 1:]  # dilation 3: offsets 0, 3, 6
     assert bias[1, 8, 8] == 1.0 and bias[1, 8, 5] == 2.0 and bias[1, 8, 2] == 3.0
     assert bias[0, 7, 4] == pytest.approx(0.2) and bias[0, 7, 6] == float("-inf")
 
@@ -206,4 +249,10 @@ def test_attention_map_times_values_is_the_output(name, causal):
     attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=causal)).double()
     attn.fused = False
     q, k, v = random_qkv(B=2, nh=2, T=9, hs=8)
-    torch.testing.assert_close(attn.attention_map(q, k, None, 2) @ v, attn.mix(q, k, v, None, 2))
+    weights = attn.attention_map(q, k, None, 2)
+    expected = weights @ v
+    if name == "dilated":  # what the tokens do not take goes to the pad
+        pad_value = attn.c_attn(attn.pad)[-16:].view(1, 2, 1, 8)
+        expected = expected + (1 - weights.sum(dim=-1, keepdim=True)) * pad_value
+        assert (weights.sum(dim=-1) < 1 - 1e-6).any()
+    torch.testing.assert_close(expected, attn.mix(q, k, v, None, 2))
