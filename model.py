@@ -2,7 +2,8 @@
 A GPT-2 style transformer whose attention is chosen per layer (standard, ChaCAL, ...).
 
 Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP,
-as GPT-2 and nanoGPT; parameter names follow GPT-2 so its weights load by name. The model knows
+as GPT-2 and nanoGPT; parameter names follow GPT-2 so its weights load by name. Post-LayerNorm
+blocks (the original Transformer's, BERT's and RegularGPT's) are one option away. The model knows
 nothing about tasks: it maps token ids to logits, and ignores targets equal to -1 in the loss.
 
 Three options from the papers, each usable with any attention:
@@ -36,6 +37,8 @@ class GPTConfig:
     causal: bool = True     # False: every token sees every other (BERT-like, for LEGO); no decoding
     pos: str = "learned"    # "learned" absolute positions (GPT-2), or "none" (RegularGPT), which
                             # lets a model run at lengths it never saw
+    norm: str = "pre"       # "pre": x + f(LN(x)) (GPT-2); "post": LN(x + f(x)) (RegularGPT), whose
+                            # output has one scale at any depth, as a block reused L times needs
     share_weights: bool = False  # reuse `thickness` distinct blocks at every depth (ALBERT)
     thickness: int = 1      # K: distinct blocks when sharing; Sliding-Dilated layers per dilation
     chunk: int = 2          # C: Sliding-Dilated-Attention's chunk size, and adaptive depth's base
@@ -62,6 +65,8 @@ class GPTConfig:
                              f"--n_head {self.n_head}, and --n_layer at least 1")
         if self.pos not in ("learned", "none"):
             raise ValueError(f"--pos {self.pos!r}: choose learned or none")
+        if self.norm not in ("pre", "post"):
+            raise ValueError(f"--norm {self.norm!r}: choose pre or post")
         if self.chunk < 2:
             raise ValueError(f"--chunk {self.chunk} must be at least 2: a chunk of 1 never looks "
                              f"past the token itself")
@@ -113,19 +118,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attention(LN(x)), then x + MLP(LN(x)): GPT-2's pre-LayerNorm block."""
+    """x + attention(LN(x)), then x + MLP(LN(x)): GPT-2's pre-LayerNorm block; or, with
+    norm="post", LN(x + attention(x)), then LN(x + MLP(x)), the original Transformer's."""
 
     def __init__(self, config, attention_name):
         super().__init__()
+        self.post_norm = config.norm == "post"
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = ATTENTIONS[attention_name](config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, token_ids=None, depth=0):
+        if self.post_norm:
+            # The residual stream itself is normalised, so a shared block sees states of one
+            # scale at every depth: RegularGPT's parity extrapolates with it (lesson 02).
+            x = self.ln_1(x + self.attn(x, cache=cache, token_ids=token_ids, depth=depth))
+            return self.ln_2(x + self.mlp(x))
         x = x + self.attn(self.ln_1(x), cache=cache, token_ids=token_ids, depth=depth)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):

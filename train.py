@@ -73,6 +73,10 @@ def build_parser():
         "manipulation and association maps (LEGO's mimicking) on unlabelled sequences")
     add("--pos", default="learned", choices=["learned", "none"],
         help="learned absolute positions (GPT-2), or none (RegularGPT: runs at unseen lengths)")
+    add("--norm", default=None, choices=["pre", "post"],
+        help="LayerNorm before each sublayer (GPT-2) or after the residual sum (RegularGPT); "
+        "default post with --n_layer auto, whose block runs more times in test than in "
+        "training, else pre")
     add("--n_head", type=int, default=4, help="attention heads per block")
     add("--n_embd", type=int, default=128, help="width of the residual stream (MLP is 4x)")
     add("--dropout", type=float, default=0.0, help="dropout on embeddings and residual branches")
@@ -339,6 +343,8 @@ def parse_args(argv=None):
             raise ValueError(f"--lr {args.lr} must be > 0 and --warmup_iters >= 0")
         if args.n_layer is None:
             args.n_layer = "auto" if args.share_weights else 1
+        if args.norm is None:
+            args.norm = "post" if args.n_layer == "auto" else "pre"
         options = task_options(args)
         stray = TASK_FLAGS.keys() & typed_flags(parser, args, argv).keys() - options.keys()
         if stray:
@@ -355,7 +361,7 @@ def parse_args(argv=None):
                            n_layer=1 if adaptive else args.n_layer, n_head=args.n_head,
                            n_embd=args.n_embd, dropout=args.dropout, attn=args.attn,
                            gamma=args.gamma, causal=not args.bidirectional, pos=args.pos,
-                           broadcast_ids=tuple(getattr(task, "broadcast_ids", ())),
+                           norm=args.norm, broadcast_ids=tuple(getattr(task, "broadcast_ids", ())),
                            share_weights=args.share_weights, thickness=args.thickness,
                            chunk=args.chunk, adaptive_depth=adaptive,
                            min_train_layers=args.min_train_layers)
@@ -478,6 +484,7 @@ def main(argv=None):
 
     depth = "adaptive depth" if config.adaptive_depth else f"{config.n_layer} layer(s)"
     shared = f", {config.thickness} shared block(s)" if config.share_weights else ""
+    shared += ", post-LayerNorm" if config.norm == "post" else ""
     print(f"{args.task}: {depth} of {config.attn}{shared}"
           f"{f' (gamma {config.gamma})' if 'chacal' in config.attn else ''}, "
           f"{model.num_params() / 1e6:.2f}M parameters, {device} {args.dtype}"

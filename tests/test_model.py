@@ -28,6 +28,25 @@ def test_cached_decoding_equals_full_forward(attn):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-10)
 
 
+def test_post_norm_blocks_decode_with_a_cache_and_normalise_their_output():
+    model = small_model("dilated,chacal,standard", norm="post")
+    idx = torch.randint(0, 30, (2, 20), generator=torch.Generator().manual_seed(4))
+    outputs = []
+    hooks = [block.register_forward_hook(lambda mod, inp, out: outputs.append(out))
+             for block in model.transformer.h]
+    full, _ = model(idx)
+    for hook in hooks:
+        hook.remove()
+    for out in outputs:  # LN(x + MLP(x)) with LayerNorm's initial weight 1 and bias 0
+        torch.testing.assert_close(out.mean(dim=-1), torch.zeros(2, 20, dtype=out.dtype))
+        torch.testing.assert_close(out.var(dim=-1, unbiased=False), torch.ones(2, 20, dtype=out.dtype),
+                                   rtol=1e-4, atol=1e-4)
+    caches = model.new_caches()
+    pieces = [model(idx[:, :7], caches=caches)[0]]
+    pieces += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(7, 20)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("attn", ATTENTION_STACKS)
 def test_prefill_then_continue_equals_one_solve(attn):
     model = small_model(attn)
@@ -120,6 +139,7 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(gamma=-0.5), "--gamma"),
     (dict(n_embd=30, n_head=4), "--n_embd"),
     (dict(attn="dilated", chunk=1), "--chunk"),
+    (dict(norm="middle"), "--norm"),
     (dict(pos="sinusoidal"), "--pos"),
     (dict(adaptive_depth=True), "--share_weights"),
     (dict(thickness=2), "--thickness"),

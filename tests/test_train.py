@@ -215,6 +215,16 @@ def test_regular_language_run_scores_every_unseen_length(tmp_path):
     assert "lengths 7..9" in summary["line"]
 
 
+@pytest.mark.parametrize("flags, norm", [
+    ([], "pre"), (["--share_weights", "--n_layer", "3"], "pre"),
+    (["--share_weights"], "post"), (["--share_weights", "--norm", "pre"], "pre"),
+    (["--norm", "post"], "post"),
+])
+def test_norm_defaults_to_post_only_with_adaptive_depth(flags, norm):
+    _, _, config, _ = train.parse_args(flags + ["--attn", "dilated", "--task", "parity"])
+    assert config.norm == norm
+
+
 def test_seeds_flag_trains_each_seed_and_reports_max_and_avg(tmp_path):
     result = train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--seeds", "2",
                                 "--out_dir", str(tmp_path)])
