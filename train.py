@@ -49,7 +49,8 @@ def build_parser():
     # what to train
     add("--task", default="toy", help="task to train on: toy (pointer chains), boxes (text), lego "
         "(chains of assignments; with --bidirectional), or a regular language: "
-        + ", ".join(REGULAR_LANGUAGES))
+        + ", ".join(REGULAR_LANGUAGES) + "; a regular language changes the defaults of "
+        + " ".join(f"--{k} {v}" for k, v in REGULAR_LANGUAGE_DEFAULTS.items()))
     add("--attn", default="chacal", help="attention of every layer (" + ", ".join(ATTENTIONS)
         + "), or one per layer: standard,chacal")
     add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention")
@@ -316,6 +317,13 @@ def save_checkpoint(path, model, optimizer, args, step, train_time, data_rng, ev
     os.replace(path + ".tmp", path)  # a kill during the save leaves the old checkpoint whole
 
 
+# Where the regular languages differ from the toy task's defaults. Measured on a 2-core CPU:
+# with these, RegularGPT (C = 2) passed 99% on parity at steps 1,750 to 2,500 (4 seeds) and then
+# scored 100% on lengths 41..100; with the toy's (d 128, batch 32, lr 3e-3, 1,000 steps) it was
+# still at 53% when it stopped.
+REGULAR_LANGUAGE_DEFAULTS = {"n_embd": 64, "batch_size": 64, "lr": 1e-3, "max_iters": 3000}
+
+
 def parse_args(argv=None):
     """Parse and check every flag, so bad input fails here with a message that names it."""
     parser = build_parser()
@@ -334,6 +342,11 @@ def parse_args(argv=None):
         settings.update(checkpoint["args"])
         settings.update(typed_flags(parser, args, argv))
         args = argparse.Namespace(**settings)
+    elif args.task in REGULAR_LANGUAGES:
+        typed = typed_flags(parser, args, argv)
+        for flag, value in REGULAR_LANGUAGE_DEFAULTS.items():
+            if flag not in typed:
+                setattr(args, flag, value)
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     args.lr_decay_iters = args.max_iters if args.lr_decay_iters is None else args.lr_decay_iters
     try:
