@@ -279,13 +279,12 @@ class SlidingDilatedAttention(CausalSelfAttention):
         return torch.cat([pad.logsumexp(dim=-1, keepdim=True),                  # (nh, Tq, 1)
                           bias.masked_fill(~visible, float("-inf"))], dim=-1)
 
-    def with_pad(self, k, v):
-        """k and v (B, nh, Tk, hs) with the pad's key and value in front: (B, nh, 1 + Tk, hs)."""
+    def pad_in_front(self, k, which):
+        """k (B, nh, Tk, hs) with the pad's key (which=1) or value (which=2) in front:
+        (B, nh, 1 + Tk, hs)."""
         B, nh, _, hs = k.shape
-        _, pad_key, pad_value = self.c_attn(self.pad).split(nh * hs)
-        pad_key, pad_value = (t.view(1, nh, 1, hs).expand(B, -1, -1, -1).to(k.dtype)
-                              for t in (pad_key, pad_value))
-        return torch.cat([pad_key, k], dim=-2), torch.cat([pad_value, v], dim=-2)
+        pad = self.c_attn(self.pad).split(nh * hs)[which].view(1, nh, 1, hs)
+        return torch.cat([pad.expand(B, -1, -1, -1).to(k.dtype), k], dim=-2)
 
     def padded_map(self, q, k, depth):
         """(B, nh, Tq, 1 + Tk): the weights on the pad (column 0) and on every key."""
@@ -295,13 +294,13 @@ class SlidingDilatedAttention(CausalSelfAttention):
 
     def attention_map(self, q, k, token_ids, depth):
         """The weights on the tokens, (B, nh, T, T); what a row lacks of 1 went to the pad."""
-        return self.padded_map(q, self.with_pad(k, k)[0], depth)[..., 1:]
+        return self.padded_map(q, self.pad_in_front(k, 1), depth)[..., 1:]
 
     def mix(self, q, k, v, cache, depth):
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
-        k, v = self.with_pad(k, v)
+        k, v = self.pad_in_front(k, 1), self.pad_in_front(v, 2)
         if not self.fused:
             return self.padded_map(q, k, depth) @ v
         bias = self.score_bias(q.size(-2), k.size(-2) - 1, depth, q.device).to(q.dtype)

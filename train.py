@@ -329,6 +329,7 @@ def parse_args(argv=None):
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    typed = typed_flags(parser, args, argv)
     checkpoint = None
     if args.resume:
         path = os.path.join(args.out_dir, "ckpt.pt")
@@ -340,10 +341,9 @@ def parse_args(argv=None):
         # train.py after the checkpoint was written still has a value.
         settings = vars(parser.parse_args([]))
         settings.update(checkpoint["args"])
-        settings.update(typed_flags(parser, args, argv))
+        settings.update(typed)
         args = argparse.Namespace(**settings)
     elif args.task in REGULAR_LANGUAGES:
-        typed = typed_flags(parser, args, argv)
         for flag, value in REGULAR_LANGUAGE_DEFAULTS.items():
             if flag not in typed:
                 setattr(args, flag, value)
@@ -359,7 +359,7 @@ def parse_args(argv=None):
         if args.norm is None:
             args.norm = "post" if args.n_layer == "auto" else "pre"
         options = task_options(args)
-        stray = TASK_FLAGS.keys() & typed_flags(parser, args, argv).keys() - options.keys()
+        stray = TASK_FLAGS.keys() & typed.keys() - options.keys()
         if stray:
             flag = sorted(stray)[0]
             raise ValueError(f"--{flag} is an option of {TASK_FLAGS[flag]}, not of --task "
@@ -497,8 +497,8 @@ def main(argv=None):
 
     depth = "adaptive depth" if config.adaptive_depth else f"{config.n_layer} layer(s)"
     shared = f", {config.thickness} shared block(s)" if config.share_weights else ""
-    shared += ", post-LayerNorm" if config.norm == "post" else ""
-    print(f"{args.task}: {depth} of {config.attn}{shared}"
+    norm = ", post-LayerNorm" if config.norm == "post" else ""
+    print(f"{args.task}: {depth} of {config.attn}{shared}{norm}"
           f"{f' (gamma {config.gamma})' if 'chacal' in config.attn else ''}, "
           f"{model.num_params() / 1e6:.2f}M parameters, {device} {args.dtype}"
           f"{f', resuming at step {step}' if step else ''}")
