@@ -14,13 +14,16 @@ The paper's size and schedule (Table 4 of the ChaCAL paper) for the toy task:
 
 Every evaluation appends one JSON line to out_dir/metrics.jsonl and saves out_dir/ckpt.pt
 (model, optimizer, config, step, RNG states), so a killed run resumes where it was saved.
-Lessons call main([...flags...]), which returns the run's summary and metrics.
+Lessons call main([...flags...]), which returns the run's summary and metrics, or
+train_many([...], jobs=N) for several runs at once.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -134,6 +137,9 @@ def build_parser():
     add("--seed", type=int, default=1337, help="seeds the model's init and the data stream")
     add("--seeds", type=int, default=1,
         help="train this many seeds (seed, seed+1, ..) into out_dir/seed_N and report Max/Avg")
+    add("--jobs", type=int, default=1,
+        help="with --seeds: train this many seeds at once, each in its own process, logging to "
+             "out_dir/seed_N/log.txt (small models leave most of a GPU, or of a many-core CPU, idle)")
     return parser
 
 
@@ -381,8 +387,11 @@ def parse_args(argv=None):
         if args.bidirectional and args.task == "boxes":
             raise ValueError("--bidirectional: boxes is scored by generating its answer, and a "
                              "bidirectional model would read the answer it has to write")
-        if args.mimic_iters < 0 or args.seeds < 1 or args.length_samples < 1:
-            raise ValueError("--mimic_iters must be >= 0, --seeds and --length_samples >= 1")
+        if args.mimic_iters < 0 or min(args.seeds, args.jobs, args.length_samples) < 1:
+            raise ValueError("--mimic_iters must be >= 0, --seeds, --jobs and --length_samples >= 1")
+        if args.jobs > args.seeds:
+            raise ValueError(f"--jobs {args.jobs} runs seeds at once, and --seeds is {args.seeds}: "
+                             f"raise --seeds or lower --jobs")
         if args.mimic_iters and any(name.startswith("lego") for name in config.attention_per_layer()):
             raise ValueError("--mimic_iters shapes the learned maps of heads 0 and 1; LEGO "
                              "attention's maps are fixed: mimic with --attn standard or chacal")
@@ -611,10 +620,10 @@ def summarize(args, config, n_params, metrics):
 def train_seeds(args, argv):
     """Train seeds seed .. seed+seeds-1, each in out_dir/seed_N, and report their Max and Avg
     as the RegularGPT paper does: on the test lengths where a task has them, else accuracy."""
-    summaries = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        out_dir = os.path.join(args.out_dir, f"seed_{seed}")
-        summaries.append(main(argv + ["--seeds", "1", "--seed", str(seed), "--out_dir", out_dir]))
+    seeds = range(args.seed, args.seed + args.seeds)
+    summaries = train_many([argv + ["--seeds", "1", "--jobs", "1", "--seed", str(seed),
+                                    "--out_dir", os.path.join(args.out_dir, f"seed_{seed}")]
+                            for seed in seeds], jobs=args.jobs)
     key = "length_score" if "length_score" in summaries[0]["final"] else "eval_acc"
     scores = [summary["final"][key] for summary in summaries]
     line = (f"{args.seeds} seeds, {key}: Max {max(scores):.2%}, Avg {sum(scores) / len(scores):.2%} "
@@ -622,6 +631,48 @@ def train_seeds(args, argv):
     print(line)
     return {"line": line, "max": max(scores), "avg": sum(scores) / len(scores), "scores": scores,
             "runs": summaries}
+
+
+def train_many(argvs, jobs=1):
+    """main(argv) for every argument list, `jobs` of them at a time; the summaries, in order.
+
+    A small model's training step is mostly Python launching kernels, so one run leaves a GPU
+    (or a many-core CPU) mostly idle; runs in separate processes overlap that work. Each
+    process is spawned (a forked one cannot use CUDA), gets its share of the CPU threads, and
+    writes what it would print to out_dir/log.txt; the summary lines are printed here.
+    """
+    if jobs == 1:
+        return [main(argv) for argv in argvs]
+    context = multiprocessing.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    logs = [os.path.join(build_parser().parse_known_args(argv)[0].out_dir, "log.txt")
+            for argv in argvs]
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        running = {pool.submit(main_logged, argv, log, threads): log
+                   for argv, log in zip(argvs, logs)}
+        try:
+            # One line per finished run is the progress report: a bar would interleave with them.
+            for count, finished in enumerate(concurrent.futures.as_completed(running), start=1):
+                try:
+                    line = finished.result()["line"]
+                except BaseException as error:  # SystemExit too: its message went to the log
+                    raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
+                                     f"output is in {running[finished]}")
+                print(f"[{count}/{len(running)} runs, {jobs} at a time, "
+                      f"{time.perf_counter() - started:.0f} s] {line}", flush=True)
+        except BaseException:  # a failed run or Ctrl-C: runs not yet started never start
+            pool.shutdown(cancel_futures=True)
+            raise
+        return [run.result() for run in running]
+
+
+def main_logged(argv, log, threads):
+    """main(argv) in a worker of train_many: `threads` CPU threads, output to the file `log`."""
+    torch.set_num_threads(threads)
+    os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
+    with open(log, "w") as file, contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
+        return main(list(argv) + ["--no-progress"])
 
 
 if __name__ == "__main__":

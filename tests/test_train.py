@@ -71,6 +71,7 @@ def test_resume_continues_a_run_exactly(tmp_path):
     (["--mimic_iters", "5", "--n_head", "1"], "--mimic_iters"),
     (["--task", "lego", "--attn", "lego_v0", "--bidirectional", "--mimic_iters", "3"], "--mimic_iters"),
     (["--n_vars", "6"], "--n_vars"),
+    (["--seeds", "2", "--jobs", "3"], "--jobs"),
     (["--task", "lego", "--n_vars", "30"], "--n_vars"),
 ])
 def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named):
@@ -240,6 +241,39 @@ def test_seeds_flag_trains_each_seed_and_reports_max_and_avg(tmp_path):
     assert result["max"] == max(result["scores"]) and len(result["scores"]) == 2
     assert result["scores"] == [run["final"]["eval_acc"] for run in result["runs"]]
     assert "Max" in result["line"] and "Avg" in result["line"]
+
+
+def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_path):
+    # Each spawned worker gets one CPU thread; so does the sequential reference, so that both
+    # sum in the same order and must agree to the last digit.
+    flags = TINY + ["--max_iters", "6", "--eval_interval", "3"]
+    argvs = [flags + ["--seed", str(seed), "--out_dir", str(tmp_path / "parallel" / str(seed))]
+             for seed in (0, 1)]
+    parallel = train.train_many(argvs, jobs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_by_one = train.train_many([argv[:-1] + [str(tmp_path / f"seq{i}")]
+                                       for i, argv in enumerate(argvs)])
+    finally:
+        torch.set_num_threads(threads)
+    def untimed(runs):
+        return [[{k: v for k, v in m.items() if k != "train_time"} for m in r["metrics"]]
+                for r in runs]
+    assert untimed(parallel) == untimed(one_by_one)
+    assert parallel[0]["final"]["eval_loss"] != parallel[1]["final"]["eval_loss"]  # two seeds
+    assert "step 6:" in (tmp_path / "parallel" / "0" / "log.txt").read_text()
+
+
+def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path):
+    runs = [("bad", ["--eval_interval", "0"]), ("slow", ["--max_iters", "300"])]
+    runs += [(f"queued{i}", []) for i in range(4)]
+    argvs = [TINY + ["--max_iters", "2", "--out_dir", str(tmp_path / name)] + extra
+             for name, extra in runs]
+    with pytest.raises(SystemExit, match="bad"):
+        train.train_many(argvs, jobs=2)
+    assert "--eval_interval" in (tmp_path / "bad" / "log.txt").read_text()
+    assert not (tmp_path / "queued3").exists()
 
 
 def test_mimicking_lowers_the_mimicking_loss():
