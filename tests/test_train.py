@@ -266,14 +266,15 @@ def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_pa
 
 
 def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path):
-    runs = [("bad", ["--eval_interval", "0"]), ("slow", ["--max_iters", "300"])]
-    runs += [(f"queued{i}", []) for i in range(4)]
-    argvs = [TINY + ["--max_iters", "2", "--out_dir", str(tmp_path / name)] + extra
+    # The pool hands a few runs to its workers ahead of time, and those cannot be called back;
+    # runs of a second each make sure the failure is seen long before the last ones come up.
+    runs = [("bad", ["--eval_interval", "0"])] + [(f"queued{i}", []) for i in range(8)]
+    argvs = [TINY + ["--max_iters", "150", "--out_dir", str(tmp_path / name)] + extra
              for name, extra in runs]
     with pytest.raises(SystemExit, match="bad"):
         train.train_many(argvs, jobs=2)
     assert "--eval_interval" in (tmp_path / "bad" / "log.txt").read_text()
-    assert not (tmp_path / "queued3").exists()
+    assert not (tmp_path / "queued7").exists()
 
 
 def test_mimicking_lowers_the_mimicking_loss():
