@@ -645,8 +645,8 @@ def train_many(argvs, jobs=1):
         return [main(argv) for argv in argvs]
     context = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    logs = [os.path.join(build_parser().parse_known_args(argv)[0].out_dir, "log.txt")
-            for argv in argvs]
+    parser = build_parser()
+    logs = [os.path.join(parser.parse_known_args(argv)[0].out_dir, "log.txt") for argv in argvs]
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         running = {pool.submit(main_logged, argv, log, threads): log
