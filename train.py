@@ -656,6 +656,11 @@ def train_many(argvs, jobs=1):
             for count, finished in enumerate(concurrent.futures.as_completed(running), start=1):
                 try:
                     line = finished.result()["line"]
+                except concurrent.futures.BrokenExecutor:  # the worker was killed, not failed
+                    raise SystemExit(f"a worker process died without an error (most often "
+                                     f"killed for lack of memory: run fewer at a time, with "
+                                     f"--jobs or a lesson's JOBS); what the run printed is in "
+                                     f"{running[finished]}")
                 except BaseException as error:  # SystemExit too: its message went to the log
                     raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
                                      f"output is in {running[finished]}")

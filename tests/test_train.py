@@ -2,9 +2,13 @@
 
 import contextlib
 import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -275,6 +279,29 @@ def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tm
         train.train_many(argvs, jobs=2)
     assert "--eval_interval" in (tmp_path / "bad" / "log.txt").read_text()
     assert not (tmp_path / "queued7").exists()
+
+
+def test_a_killed_parallel_run_is_named_as_killed(tmp_path):
+    # A worker killed from outside (the kernel's out-of-memory killer, say) leaves no error
+    # behind, only a broken pool: the message must say what most likely happened.
+    argvs = [TINY + ["--max_iters", "1000000", "--out_dir", str(tmp_path / f"run{k}")]
+             for k in range(2)]
+    raised = []
+    def train_both():
+        try:
+            train.train_many(argvs, jobs=2)
+        except SystemExit as error:
+            raised.append(str(error))
+    caller = threading.Thread(target=train_both)
+    caller.start()
+    deadline = time.time() + 120
+    while not all((tmp_path / f"run{k}" / "log.txt").exists() for k in range(2)):
+        assert time.time() < deadline, "the workers never started"
+        time.sleep(0.1)
+    for worker in multiprocessing.active_children():
+        os.kill(worker.pid, signal.SIGKILL)
+    caller.join(timeout=120)
+    assert raised and "died without an error" in raised[0] and "--jobs" in raised[0]
 
 
 def test_mimicking_lowers_the_mimicking_loss():
