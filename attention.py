@@ -153,12 +153,18 @@ class CausalSelfAttention(nn.Module):
         self.maps = None  # a list while GPT.attention_maps collects each layer's weights
 
 
-    def forward(self, x, cache=None, token_ids=None, depth=0):
+    def queries_keys_values(self, x):
+        """x (B, T, C) -> q, k, v, each (B, nh, T, hs): one matmul, then split into heads."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        return q, k, v
+
+    def forward(self, x, cache=None, token_ids=None, depth=0):
+        B, T, C = x.size()
+        q, k, v = self.queries_keys_values(x)
         if self.maps is not None:
             self.maps.append(self.attention_map(q, k, token_ids, depth))  # (B, nh, T, T)
         y = self.mix(q, k, v, cache, depth)                               # (B, nh, T, hs)
@@ -400,10 +406,7 @@ class LEGOAttention(CausalSelfAttention):
         heads = [maps @ values[:, :-1], self.manipulate(values[:, -1])]     # (B, ., T, hs)
         q = k = None
         if self.standard_heads:
-            q, k, v = self.c_attn(x).split(C, dim=2)
-            q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-            k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-            v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+            q, k, v = self.queries_keys_values(x)
             heads.append(self.mix(q, k, v, None, depth))
         if self.maps is not None:
             self.maps.append(self.attention_map(q, k, token_ids, depth))

@@ -29,22 +29,21 @@ from torch.utils.flop_counter import FlopCounterMode
 import train
 from attention import chacal_attention
 from model import GPT, GPTConfig
-from train import OneLineErrors, pick_device
+from train import OneLineErrors, pick_device, synchronize
 
 
 def timed(fn, device, repeats):
     """Median seconds of fn() over `repeats` runs after two warm-up runs, and peak memory (MiB)."""
     for _ in range(2):
         fn()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(repeats):
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else float("nan")
     return sorted(times)[len(times) // 2], peak
@@ -93,13 +92,18 @@ def bench_model_step(attn, T, tokens, size, dtype, device, repeats, **options):
 
 def count_step(attn, T, tokens, size, **options):
     """FLOPs of one forward + backward of a one-layer model, and its attention's parameters.
-    Counted on the CPU in float32: a count, not a timing, so the device does not matter."""
+    Counted on the CPU in float32, through the readable attention path: the counter sees the
+    matmuls of A = softmax(QKᵀ) and AV there, but counts the fused SDPA kernel as 0 FLOPs."""
     model = one_layer_model(attn, T, size, **options)
+    model.transformer.h[0].attn.fused = False
     x = torch.randint(0, 128, (max(1, tokens // T), T))
     with FlopCounterMode(display=False) as counter:
         _, loss = model(x, x)
         loss.backward()
     return counter.get_total_flops(), sum(p.numel() for p in model.transformer.h[0].attn.parameters())
+
+
+DECODE_REPEATS = 3  # decoding a whole sequence is one long measurement; fewer repeats suffice
 
 
 def bench_decode(attn, use_cache, T, batch, size, dtype, device):
@@ -111,7 +115,7 @@ def bench_decode(attn, use_cache, T, batch, size, dtype, device):
         with autocast(device, dtype):
             model.generate(prompt, T - 1, temperature=0, use_cache=use_cache)
 
-    seconds, _ = timed(decode, device, repeats=3)
+    seconds, _ = timed(decode, device, DECODE_REPEATS)
     return batch * (T - 1) / seconds
 
 
@@ -127,6 +131,8 @@ def main():
                         help="auto picks cuda, then mps, then cpu")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be at least 1")
     try:
         device = pick_device(args.device)
     except ValueError as error:
@@ -144,7 +150,7 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"device {name}, torch {torch.__version__}, {str(dtype).split('.')[-1]}, "
           f"d {size['n_embd']}, {size['n_head']} heads, {tokens} tokens per batch, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats} runs (decoding: {DECODE_REPEATS})")
 
     def row(T, std, cha):
         (t_std, m_std), (t_cha, m_cha) = std, cha

@@ -155,6 +155,11 @@ def encode(text):
     return [TOKEN_IDS[w] for w in words]
 
 
+def until_eos(ids):
+    """A generated answer (a list of token ids) up to, not including, its first EOS."""
+    return ids[:ids.index(EOS)] if EOS in ids else ids
+
+
 def decode(ids):
     """Text of token ids: PAD dropped, other specials shown as <bos> etc., and the first word of
     the text or after a special capitalised, so decode(encode(text)) == text for boxes texts."""
@@ -186,6 +191,8 @@ def simulate(prompt):
     """Read a prompt's text alone and return ({letter: set of items} after the last operation,
     {letter: number of operations that changed the box}). Raises ValueError on an impossible step.
     """
+    if not prompt.strip():
+        raise ValueError("boxes: the prompt is empty; start it with what each box holds")
     description, *operations = prompt.rstrip(".").split(". ")
     boxes, touched = {}, {}
     for clause in (description[0].lower() + description[1:]).split(", "):
@@ -399,6 +406,8 @@ class Boxes:
         if version not in ("default", "advanced") or split not in ("train", "test"):
             raise ValueError(f"boxes: version must be 'default' or 'advanced' (got {version!r}) "
                              f"and split 'train' or 'test' (got {split!r})")
+        if n_train < 1 or n_test < 1:
+            raise ValueError(f"--n_train {n_train} and --n_test {n_test} must be at least 1")
         self.version, self.split, self.vocab_size = version, split, len(VOCAB)
         filename = f"boxes-{version}-seed{seed}-{n_train}+{n_test}.pt"
         path = os.path.join(cache_dir, filename) if cache_dir else None

@@ -60,7 +60,7 @@ class GPTConfig:
                              f"{self.n_blocks()}; give one name for all layers or one per layer")
         if not 0.0 <= self.gamma < 1.0:
             raise ValueError(f"--gamma {self.gamma} is outside [0, 1); the paper uses 0.9")
-        if self.n_layer < 1 or self.n_head < 1 or self.n_embd % self.n_head:
+        if self.n_layer < 1 or self.n_head < 1 or self.n_embd < 1 or self.n_embd % self.n_head:
             raise ValueError(f"--n_embd {self.n_embd} must be a positive multiple of "
                              f"--n_head {self.n_head}, and --n_layer at least 1")
         if self.pos not in ("learned", "none"):
@@ -196,6 +196,12 @@ class GPT(nn.Module):
             return int(torch.randint(config.min_train_layers, config.n_layer + 1, ()))
         return config.n_layer
 
+    def can_cache(self):
+        """Whether generate() can decode against a cache: not under adaptive depth (the layer
+        count grows with the sequence), nor with LEGO attention (its maps see every token)."""
+        return (not self.config.adaptive_depth
+                and not any(name.startswith("lego") for name in self.config.attention_per_layer()))
+
     def new_caches(self):
         """One empty LayerCache per layer, to pass to forward() when decoding."""
         if self.config.adaptive_depth:
@@ -248,11 +254,17 @@ class GPT(nn.Module):
         idx[r, :prompt_lengths[r]] (the rest is ignored). Decoding starts after the shortest
         prompt, and a row still inside its own prompt takes the prompt's next token instead of a
         generated one, so each row reads exactly its own prompt at its own positions, with no
-        padding inside the attention. Row r's answer then starts at column prompt_lengths[r], and
-        every row may write up to max_new_tokens tokens.
+        padding inside the attention. Row r's answer then starts at column prompt_lengths[r].
+        Decoding runs to column max(prompt_lengths) + max_new_tokens: the row with the longest
+        prompt writes max_new_tokens tokens, a row with a shorter one more.
+
+        Decodes in eval mode (no dropout, and the full depth where stochastic depth would draw a
+        new one for every token), then leaves the model in the mode it found it in.
         """
         if not self.config.causal:
             raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
+        was_training = self.training
+        self.eval()
         prompts = idx
         lengths = torch.full((idx.size(0),), idx.size(1), device=idx.device)
         if prompt_lengths is not None:
@@ -287,4 +299,5 @@ class GPT(nn.Module):
                 finished = finished | ((next_token[:, 0] == stop_token) & ~in_prompt)
                 if finished.all():
                     break
+        self.train(was_training)
         return idx

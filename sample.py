@@ -5,12 +5,15 @@ Run a trained model on one example and print its answers beside the truth.
     python sample.py --prompt "5 9 1 0 ..."   # toy: your own sequence, values then pointer blocks
     python sample.py --prompt "The cup is in Box B, there is nothing in Box A. Move ..."   # boxes
     python sample.py --no_cache               # recompute the whole prefix for every token (slow path)
+    python sample.py --out_dir out-parity --length 300   # a regular language, past its training lengths
 
 Toy task: the model reads the sequence one token at a time, as a decoder would; the first block
 is the prompt, encoded at once (for ChaCAL, one triangular solve), then every further token is one
 step against the per-layer cache, and the model's prediction at each position is its answer there.
 Boxes: the model writes the answer after the prompt by greedy decoding, scored by exact match.
 Both paths print the same answers with and without the cache; only the tokens/s differ.
+The regular languages and LEGO, and any model that cannot decode left to right (bidirectional,
+or adaptive depth without the cache), are read in one forward pass of a fresh example.
 """
 
 import argparse
@@ -21,7 +24,8 @@ import torch
 
 from data import BOS, EOS, SEP, decode, encode, render_answer, simulate
 from model import GPT, GPTConfig
-from train import OneLineErrors, make_task, pick_device
+from data import until_eos
+from train import OneLineErrors, make_task, pick_device, synchronize
 
 
 @torch.no_grad()
@@ -35,6 +39,7 @@ def predict_token_by_token(model, x, prompt_len, use_cache=True):
     caches = model.new_caches() if use_cache else None
     logits, _ = model(x[:, :prompt_len], caches=caches)
     predictions = [logits.argmax(dim=-1)]
+    synchronize(x.device.type)
     start = time.perf_counter()
     for t in range(prompt_len, T):
         if use_cache:
@@ -42,6 +47,7 @@ def predict_token_by_token(model, x, prompt_len, use_cache=True):
         else:
             logits, _ = model(x[:, :t + 1])
         predictions.append(logits[:, -1:].argmax(dim=-1))
+    synchronize(x.device.type)
     return torch.cat(predictions, dim=1), time.perf_counter() - start
 
 
@@ -68,15 +74,18 @@ def answer_boxes(model, task, args, device, parser):
     if room < 1:
         parser.error(f"--prompt: {len(prompt)} tokens leave no room to answer within block_size "
                      f"{model.config.block_size}")
+    use_cache = not args.no_cache and model.can_cache()
+    synchronize(device)
     start = time.perf_counter()
-    out = model.generate(prompt[None].to(device), room, temperature=0,
-                         use_cache=not args.no_cache, stop_token=EOS)[0, len(prompt):].tolist()
-    seconds = time.perf_counter() - start
-    answer = decode(out[:out.index(EOS)] if EOS in out else out)
+    out = model.generate(prompt[None].to(device), room, temperature=0, use_cache=use_cache,
+                         stop_token=EOS)[0, len(prompt):].tolist()
+    synchronize(device)
+    seconds = time.perf_counter() - start  # the prompt's one pass included
+    answer = decode(until_eos(out))
     exact, boxes = task.score_answer(prompt, answer)  # scored as train.py scores its test set
     print(f"prompt: {prompt_text}\nmodel : {answer}\ntruth : {truth}")
     print(f"exact match: {'yes' if exact else 'no'}; boxes right {sum(r for _, r in boxes)}/"
-          f"{len(boxes)}; {speed(len(out), seconds, device, args.no_cache)}")
+          f"{len(boxes)}; {speed(len(out), seconds, device, not use_cache)}, prompt included")
 
 
 def main(argv=None):
@@ -87,6 +96,9 @@ def main(argv=None):
                         help="toy: a whole sequence as space- or comma-separated token ids; "
                              "boxes: the prompt text; default: a fresh example drawn with --seed")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh example")
+    parser.add_argument("--length", type=int, default=None,
+                        help="regular languages: length of the fresh example (default: a "
+                             "training length drawn with --seed); longer tests extrapolation")
     parser.add_argument("--no_cache", action="store_true",
                         help="recompute the whole prefix for every token instead of caching")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
@@ -106,10 +118,25 @@ def main(argv=None):
     model = GPT(GPTConfig(**checkpoint["config"])).to(device).eval()
     model.load_state_dict(checkpoint["model"])
 
+    if args.length is not None and not hasattr(task, "test_lengths"):
+        parser.error(f"--length: the run in {args.out_dir} learned {run.task}, whose sequences "
+                     f"have one length; --length is for the regular languages")
+    if args.length is not None and args.length < 1:
+        parser.error(f"--length {args.length} must be at least 1")
     if run.task == "boxes":
         return answer_boxes(model, task, args, device, parser)
-    if args.prompt is None:
-        x, _ = task.sample(1, torch.Generator().manual_seed(args.seed))
+    decodes = run.task == "toy" and model.config.causal  # read one token at a time
+    if args.prompt is not None and run.task != "toy":
+        parser.error(f"--prompt: typed prompts are for toy and boxes; for {run.task}, sample.py "
+                     f"draws a fresh example (choose it with --seed)")
+    if args.no_cache and not decodes:
+        parser.error(f"--no_cache: this {run.task} model reads its input in one forward pass, "
+                     f"with no cache to skip")
+    generator = torch.Generator().manual_seed(args.seed)
+    if args.length is not None:
+        x, _ = task.sample(1, generator, length=args.length)
+    elif args.prompt is None:
+        x, _ = task.sample(1, generator)
     else:
         try:
             tokens = [int(token) for token in args.prompt.replace(",", " ").split()]
@@ -119,17 +146,22 @@ def main(argv=None):
             parser.error(f"--prompt: {error}")
     y = task.solve(x)
 
-    prompt_len = task.block_len
-    predictions, seconds = predict_token_by_token(model, x.to(device), prompt_len,
-                                                  use_cache=not args.no_cache)
+    depth = "adaptive depth" if model.config.adaptive_depth else f"{model.config.n_layer} x"
+    print(f"{run.task}, {depth} {model.config.attn}, step {checkpoint['step']}:")
+    if decodes:
+        prompt_len = task.block_len
+        use_cache = not args.no_cache and model.can_cache()
+        predictions, seconds = predict_token_by_token(model, x.to(device), prompt_len, use_cache)
+        how = (f"after a {prompt_len}-token prompt; "
+               f"{speed(x.size(1) - prompt_len, seconds, device, not use_cache)}")
+    else:
+        logits, _ = model(x.to(device))
+        predictions, how = logits.argmax(dim=-1), "read in one forward pass"
     predictions = predictions.cpu()
     scored = y != -1
     accuracy = (predictions[scored] == y[scored]).float().mean().item()
-    print(f"{run.task}, {model.config.n_layer} x {model.config.attn}, step {checkpoint['step']}:")
     print(task.describe(x[0], y[0], predictions[0]))
-    n_decoded = x.size(1) - prompt_len
-    print(f"accuracy {accuracy:.2%} after a {prompt_len}-token prompt; "
-          f"{speed(n_decoded, seconds, device, args.no_cache)}")
+    print(f"accuracy {accuracy:.2%} {how}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from attention import ATTENTIONS
-from data import EOS, REGULAR_LANGUAGES, decode, get_task
+from data import EOS, REGULAR_LANGUAGES, decode, get_task, until_eos
 from model import GPT, GPTConfig
 
 
@@ -56,9 +56,11 @@ def build_parser():
         + " ".join(f"--{k} {v}" for k, v in REGULAR_LANGUAGE_DEFAULTS.items()))
     add("--attn", default="chacal", help="attention of every layer (" + ", ".join(ATTENTIONS)
         + "), or one per layer: standard,chacal")
-    add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention")
+    add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention "
+        "(other attentions ignore it, so one set of flags can serve a sweep over --attn)")
     add("--chunk", type=int, default=2,
-        help="dilated: chunk size C (offsets 0, d, .., (C-1)d); also the base of --n_layer auto")
+        help="dilated: chunk size C (offsets 0, d, .., (C-1)d); also the base of --n_layer auto; "
+        "ignored otherwise")
     # model shape
     add("--n_layer", type=layer_count, default=None,
         help="layers run per input, or auto: thickness x (smallest L with chunk^L >= length), "
@@ -171,6 +173,14 @@ def pick_device(name):
     return name
 
 
+def synchronize(device):
+    """Wait for the work queued on a GPU, so that a clock read next measures it, not its launch."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
 def pick_dtype(name, device):
     if name == "auto":
         use_bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
@@ -196,16 +206,15 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
     """
     model.eval()
     total_loss, hits, counts, whole, n_sequences = 0.0, {}, {}, 0, 0
-    n_batches = max(1, n_samples // batch_size)
-    for _ in range(n_batches):
-        x, y = task.sample(batch_size, generator)
+    for start in range(0, n_samples, batch_size):
+        x, y = task.sample(min(batch_size, n_samples - start), generator)
         depth = task.chain_depth(x)
         x, y = x.to(device), y.to(device)
         with autocast:
             logits, loss = model(x, y)
-        total_loss += loss.item()
         correct = (logits.argmax(dim=-1) == y).cpu()
         scored = (y != -1).cpu()
+        total_loss += loss.item() * scored.sum().item()  # the loss is a mean over scored tokens
         whole += (correct | ~scored).all(dim=1).sum().item()
         n_sequences += x.size(0)
         for d in depth[scored].unique().tolist():
@@ -214,7 +223,7 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
             counts[d] = counts.get(d, 0) + at_depth.sum().item()
     model.train()
     return {
-        "eval_loss": total_loss / n_batches,
+        "eval_loss": total_loss / sum(counts.values()),
         "eval_acc": sum(hits.values()) / sum(counts.values()),
         "eval_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)},
         "eval_whole_sequences": whole / n_sequences,
@@ -224,9 +233,10 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
 @torch.no_grad()
 def evaluate_answers(model, task, n_examples, batch_size, device, autocast):
     """Write the answers to the first n_examples test prompts (the same ones at every
-    evaluation) by greedy generation with the cache, as a user of the model would get them, and
-    score them against the simulator: exact match of the whole answer, and the share of boxes
-    whose contents are stated exactly, overall and by the box's chain depth."""
+    evaluation) by greedy generation, as a user of the model would get them, and score them
+    against the simulator: exact match of the whole answer, and the share of boxes whose
+    contents are stated exactly, overall and by the box's chain depth. Decoding uses the cache
+    where the model can (GPT.can_cache)."""
     model.eval()
     n = min(n_examples, len(task.rows))
     exact, hits, counts = 0, {}, {}
@@ -236,11 +246,10 @@ def evaluate_answers(model, task, n_examples, batch_size, device, autocast):
         padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(device)
         with autocast:
             out = model.generate(padded, model.config.block_size - int(lengths.max()),
-                                 temperature=0, stop_token=EOS, prompt_lengths=lengths).cpu()
+                                 temperature=0, use_cache=model.can_cache(),
+                                 stop_token=EOS, prompt_lengths=lengths).cpu()
         for prompt, length, row in zip(prompts, lengths.tolist(), out.tolist()):
-            answer = row[length:]
-            answer = answer[:answer.index(EOS)] if EOS in answer else answer
-            right, boxes = task.score_answer(prompt, decode(answer))
+            right, boxes = task.score_answer(prompt, decode(until_eos(row[length:])))
             exact += right
             for depth, box_right in boxes:
                 hits[depth] = hits.get(depth, 0) + box_right
@@ -284,7 +293,10 @@ def mimicking_loss(model, token_ids):
     for maps in model.attention_maps(token_ids):                       # (B, nh, T, T) per layer
         for head, target in ((0, manipulation), (1, association)):
             p = smoothed(maps[:, head].float(), causal)
-            loss = loss + (torch.xlogy(p, p) - torch.xlogy(p, target)).sum(dim=-1).mean()
+            # A causal map is 0 on the future in both p and the target. The clamp makes those
+            # terms 0·log(tiny) = 0 with a finite gradient, where log 0 would give NaN.
+            log_ratio = p.clamp_min(1e-30).log() - target.clamp_min(1e-30).log()
+            loss = loss + (p * log_ratio).sum(dim=-1).mean()
     return loss
 
 
@@ -312,7 +324,7 @@ def save_checkpoint(path, model, optimizer, args, step, train_time, data_rng, ev
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "config": asdict(model.config),
-        "args": vars(args),
+        "args": args.settings,
         "step": step,
         "train_time": train_time,
         "rng": {"torch": torch.get_rng_state(), "data": data_rng.get_state(),
@@ -337,7 +349,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     typed = typed_flags(parser, args, argv)
     checkpoint = None
-    if args.resume:
+    if args.resume and args.seeds > 1:  # each seed resumes its own run (train_seeds)
+        if not os.path.exists(os.path.join(args.out_dir, "seeds.json")):
+            parser.error(f"--resume --seeds {args.seeds}: {args.out_dir} holds no run of several "
+                         f"seeds (no seeds.json); drop --seeds to continue a single run")
+    elif args.resume:
         path = os.path.join(args.out_dir, "ckpt.pt")
         if not os.path.exists(path):
             parser.error(f"--resume: no checkpoint at {path}; start the run without --resume "
@@ -353,13 +369,30 @@ def parse_args(argv=None):
         for flag, value in REGULAR_LANGUAGE_DEFAULTS.items():
             if flag not in typed:
                 setattr(args, flag, value)
+    # What a checkpoint saves: the settings before anything below resolves them, so a resumed
+    # run picks the device and dtype of the machine it now runs on, and a new --lr or
+    # --max_iters moves min_lr and the end of the decay with it (unless those were typed).
+    args.settings = dict(vars(args))
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     args.lr_decay_iters = args.max_iters if args.lr_decay_iters is None else args.lr_decay_iters
     try:
-        if args.max_iters < 1 or args.eval_interval < 1 or args.batch_size < 1:
-            raise ValueError("--max_iters, --eval_interval and --batch_size must be at least 1")
-        if args.lr <= 0 or args.warmup_iters < 0:
-            raise ValueError(f"--lr {args.lr} must be > 0 and --warmup_iters >= 0")
+        if min(args.max_iters, args.eval_interval, args.batch_size, args.eval_samples) < 1:
+            raise ValueError("--max_iters, --eval_interval, --batch_size and --eval_samples must "
+                             "be at least 1")
+        if args.lr <= 0 or args.warmup_iters < 0 or args.lr_decay_iters < 1:
+            raise ValueError(f"--lr {args.lr} must be > 0, --warmup_iters >= 0 and "
+                             f"--lr_decay_iters >= 1")
+        if not 0 <= args.min_lr <= args.lr:
+            raise ValueError(f"--min_lr {args.min_lr} must lie in [0, --lr {args.lr}]: the "
+                             f"schedule decays from lr to min_lr")
+        for flag in ("dropout", "beta1", "beta2"):
+            if not 0 <= getattr(args, flag) < 1:
+                raise ValueError(f"--{flag} {getattr(args, flag)} must lie in [0, 1)")
+        if args.weight_decay < 0 or args.grad_clip < 0:
+            raise ValueError("--weight_decay and --grad_clip must be >= 0 (--grad_clip 0 disables "
+                             "clipping)")
+        if args.block_size is not None and args.block_size < 1:
+            raise ValueError(f"--block_size {args.block_size} must be at least 1, or left unset")
         if args.n_layer is None:
             args.n_layer = "auto" if args.share_weights else 1
         if args.norm is None:
@@ -398,10 +431,15 @@ def parse_args(argv=None):
         if args.mimic_iters and config.n_head < 2:
             raise ValueError(f"--mimic_iters needs 2 heads per layer (heads 0 and 1 mimic); "
                              f"--n_head is {config.n_head}")
-        if checkpoint is not None and asdict(config) != checkpoint["config"]:
-            changed = [k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v]
-            raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
-                             f"({', '.join(changed)}); drop those flags to continue it")
+        if checkpoint is not None:
+            # Without positions, block_size bounds nothing the model learned: a resumed run may
+            # test longer sequences (--max_test_length).
+            ignored = {"block_size"} if config.pos == "none" else set()
+            changed = [k for k, v in asdict(config).items()
+                       if k not in ignored and checkpoint["config"].get(k) != v]
+            if changed:
+                raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
+                                 f"({', '.join(changed)}); drop those flags to continue it")
         args.device = pick_device(args.device)
     except ValueError as error:
         parser.error(str(error))
@@ -465,19 +503,23 @@ def evaluate_lengths(model, task, n_per_length, generator, device, autocast, pro
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = with_seeds_command(sys.argv[1:] if argv is None else list(argv))
     args, task, config, checkpoint = parse_args(argv)
     if args.seeds > 1:
         return train_seeds(args, argv)
     torch.manual_seed(args.seed)
     device = args.device
     model = GPT(config).to(device)
-    # Weight decay on matrices only; biases, LayerNorms (and, as in nanoGPT, embeddings are
-    # matrices too) follow GPT-2 practice.
-    params = [p for p in model.parameters() if p.requires_grad]
+    # Weight decay pulls the weights of linear maps, embeddings and convolutions toward 0, as in
+    # GPT-2. Biases, LayerNorm gains, the pad vector and the dilated attention's score bias r
+    # (a matrix, but of offsets) set levels rather than mix inputs, so they are left alone.
+    decayed = {name: p.dim() >= 2 and not name.endswith("offset_bias")
+               for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        [{"params": [p for name, p in model.named_parameters() if decayed[name]],
+          "weight_decay": args.weight_decay},
+         {"params": [p for name, p in model.named_parameters() if not decayed[name]],
+          "weight_decay": 0.0}],
         lr=args.lr, betas=(args.beta1, args.beta2))
     test_task = make_task(args, split="test")
     data_rng = torch.Generator().manual_seed(args.seed)      # training batches
@@ -492,6 +534,9 @@ def main(argv=None):
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
+        for group in optimizer.param_groups:  # the saved moments, with the betas of this command
+            group["betas"] = (args.beta1, args.beta2)
+        optimizer.param_groups[0]["weight_decay"] = args.weight_decay
         step, train_time = checkpoint["step"], checkpoint["train_time"]
         torch.set_rng_state(checkpoint["rng"]["torch"])
         data_rng.set_state(checkpoint["rng"]["data"])
@@ -501,8 +546,14 @@ def main(argv=None):
         if os.path.exists(metrics_path):  # forget lines written after the checkpoint we resume
             with open(metrics_path) as f:
                 metrics = [m for m in map(json.loads, f) if m["step"] <= step]
-    with open(metrics_path, "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in metrics)
+    elif os.path.exists(ckpt_path):
+        # A fresh run in the directory of an earlier one: its metrics are rewritten below, so its
+        # checkpoint goes too, or a later --resume would continue the earlier run.
+        print(f"{ckpt_path} of an earlier run removed: this run starts over (--resume would "
+              f"have continued it)")
+        os.remove(ckpt_path)
+    write_metrics(metrics_path, metrics)
+    saved_step = step  # the step ckpt_path holds, if any
 
     depth = "adaptive depth" if config.adaptive_depth else f"{config.n_layer} layer(s)"
     shared = f", {config.thickness} shared block(s)" if config.share_weights else ""
@@ -546,8 +597,7 @@ def main(argv=None):
                                 acc=f"{window_hits.item() / window_count.item():.3f}")
 
             if step % args.eval_interval == 0 or step == args.max_iters:
-                if device == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(device)
                 train_time += time.perf_counter() - tick  # evaluation time is not training time
                 record = {"step": step, "train_time": round(train_time, 3), "lr": lr,
                           "train_loss": window_loss.item() / window_steps,
@@ -565,6 +615,7 @@ def main(argv=None):
                     f.write(json.dumps(record) + "\n")
                 save_checkpoint(ckpt_path, model, optimizer, args, step, train_time,
                                 data_rng, eval_rng)
+                saved_step = step
                 answers = (f", exact match by generation {record['eval_exact_match']:.2%}, "
                            f"boxes right {record['eval_box_acc']:.2%}"
                            if "eval_exact_match" in record else "")
@@ -575,8 +626,8 @@ def main(argv=None):
                 tick = time.perf_counter()
     except KeyboardInterrupt:
         bar.close()
-        if os.path.exists(ckpt_path):
-            print(f"interrupted at step {step}; {ckpt_path} holds step {metrics[-1]['step']}: "
+        if saved_step:
+            print(f"interrupted at step {step}; {ckpt_path} holds step {saved_step}: "
                   f"add --resume to the same command to continue from there")
         else:
             print(f"interrupted at step {step}, before the first checkpoint (step "
@@ -589,11 +640,15 @@ def main(argv=None):
                                      autocast, args.progress)
         metrics[-1].update(length_acc=by_length,
                            length_score=sum(by_length.values()) / len(by_length))
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(m) + "\n" for m in metrics)
+        write_metrics(metrics_path, metrics)
     summary = summarize(args, config, model.num_params(), metrics)
     print(summary["line"])
     return summary
+
+
+def write_metrics(path, metrics):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
 
 
 def summarize(args, config, n_params, metrics):
@@ -619,11 +674,22 @@ def summarize(args, config, n_params, metrics):
 
 def train_seeds(args, argv):
     """Train seeds seed .. seed+seeds-1, each in out_dir/seed_N, and report their Max and Avg
-    as the RegularGPT paper does: on the test lengths where a task has them, else accuracy."""
-    seeds = range(args.seed, args.seed + args.seeds)
-    summaries = train_many([argv + ["--seeds", "1", "--jobs", "1", "--seed", str(seed),
-                                    "--out_dir", os.path.join(args.out_dir, f"seed_{seed}")]
-                            for seed in seeds], jobs=args.jobs)
+    as the RegularGPT paper does: on the test lengths where a task has them, else accuracy.
+
+    The command is saved in out_dir/seeds.json, so that `--resume --out_dir out_dir` alone
+    continues every seed (see with_seeds_command): from its checkpoint, or from the start if it
+    was stopped before its first one."""
+    command = [arg for arg in argv if arg != "--resume"]
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "seeds.json"), "w") as f:
+        json.dump({"argv": command}, f)
+    argvs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        out_dir = os.path.join(args.out_dir, f"seed_{seed}")
+        resume = args.resume and os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+        argvs.append(command + ["--resume"] * resume + ["--seeds", "1", "--jobs", "1",
+                                                        "--seed", str(seed), "--out_dir", out_dir])
+    summaries = train_many(argvs, jobs=args.jobs)
     key = "length_score" if "length_score" in summaries[0]["final"] else "eval_acc"
     scores = [summary["final"][key] for summary in summaries]
     line = (f"{args.seeds} seeds, {key}: Max {max(scores):.2%}, Avg {sum(scores) / len(scores):.2%} "
@@ -631,6 +697,19 @@ def train_seeds(args, argv):
     print(line)
     return {"line": line, "max": max(scores), "avg": sum(scores) / len(scores), "scores": scores,
             "runs": summaries}
+
+
+def with_seeds_command(argv):
+    """argv, or for `--resume` of a run of several seeds (an out_dir with seeds.json and no
+    ckpt.pt of its own) the command that started it followed by argv: argparse keeps the last
+    value of a flag, so what is typed now overrides the saved command."""
+    known = build_parser().parse_known_args(argv)[0]
+    saved = os.path.join(known.out_dir, "seeds.json")
+    if not known.resume or not os.path.exists(saved) or os.path.exists(
+            os.path.join(known.out_dir, "ckpt.pt")):
+        return argv
+    with open(saved) as f:
+        return json.load(f)["argv"] + argv
 
 
 def train_many(argvs, jobs=1):

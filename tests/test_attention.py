@@ -240,6 +240,18 @@ def test_dilated_offset_bias_is_one_learned_scalar_per_head_and_step():
     assert bias[0, 7, 4] == pytest.approx(0.2) and bias[0, 7, 6] == float("-inf")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_chacal_attention_map_is_the_explicit_inverse(causal):
+    torch.manual_seed(0)
+    attn = ATTENTIONS["chacal"](GPTConfig(n_embd=16, n_head=2, attn="chacal", causal=causal, gamma=0.8))
+    q, k, _ = random_qkv(B=2, nh=2, T=9, hs=8)
+    A = explicit_softmax_attention(q, k) if causal else (q @ k.transpose(-2, -1) / 8 ** 0.5).softmax(-1)
+    off_diagonal = A - torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
+    eye = torch.eye(9, dtype=torch.float64)
+    expected = 0.2 * torch.linalg.inv(eye - 0.8 * off_diagonal) @ A  # (1-γ)(I - γA')⁻¹A
+    torch.testing.assert_close(attn.attention_map(q, k, None, 0), expected)
+
+
 @pytest.mark.parametrize("name", ["standard", "chacal", "dilated"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_map_times_values_is_the_output(name, causal):

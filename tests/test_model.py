@@ -216,3 +216,15 @@ def test_bidirectional_and_adaptive_models_refuse_to_decode_with_a_cache():
     with pytest.raises(ValueError, match="use_cache=False"):
         adaptive.generate(prompt, 2)
     assert adaptive.generate(prompt, 2, temperature=0, use_cache=False).shape == (1, 6)
+
+
+def test_generate_decodes_in_eval_mode_and_restores_the_mode():
+    # Dropout and stochastic depth would make every token's forward pass different in training
+    # mode; generate() switches them off, then leaves the model as it found it.
+    model = small_model("standard", dropout=0.5, share_weights=True, n_layer=4, min_train_layers=1)
+    prompt = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(4))
+    in_eval = model.generate(prompt, 10, temperature=0)
+    model.train()
+    assert torch.equal(model.generate(prompt, 10, temperature=0), in_eval)
+    assert model.training
+    assert model.can_cache() and not small_model("lego_v0").can_cache()

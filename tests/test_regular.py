@@ -52,7 +52,7 @@ def test_interface_and_vocabulary(name):
     x, y = task.sample(2, seeded(), length=5)
     assert task.decode(x[0]).count(" ") == 4
     assert task.vocab[int(y[0, -1])] in task.describe(x[0], y[0], predictions=y[0])
-    assert "right" in task.describe(x[0], y[0], predictions=y[0])
+    assert "(right)" in task.describe(x[0], y[0], predictions=y[0])  # cycle navigation has a symbol "right"
 
 
 @pytest.mark.parametrize("name", ["parity", "d4", "modular_arithmetic"])
