@@ -124,8 +124,9 @@ def build_parser():
     # evaluation and output
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every this many steps")
     add("--eval_samples", type=int, default=1024,
-        help="fresh test sequences per evaluation; boxes: also how many test prompts (the first "
-        "ones) are answered by greedy generation and scored by exact match")
+        help="fresh test sequences per evaluation (regular languages: spread evenly over every "
+        "training length); boxes: also how many test prompts (the first ones) are answered by "
+        "greedy generation and scored by exact match")
     add("--out_dir", default="out", help="where metrics.jsonl and ckpt.pt go")
     add("--resume", action="store_true",
         help="continue the run saved in out_dir; flags you type override its saved settings")
@@ -198,6 +199,20 @@ def learning_rate(step, args):
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
+def evaluation_batches(task, n_samples, batch_size):
+    """(size, length) of every evaluation batch, n_samples in all. A task with training lengths
+    (the regular languages) draws one length per batch, so a few batches would cover a few of its
+    lengths, and the score would swing with which ones: its samples are spread evenly over every
+    training length instead. Other tasks: batches of batch_size, length None."""
+    lengths = getattr(task, "train_lengths", [None])
+    batches = []
+    for i, length in enumerate(lengths):
+        # n_samples // len(lengths) each, the remainder spread over evenly spaced lengths
+        share = n_samples * (i + 1) // len(lengths) - n_samples * i // len(lengths)
+        batches += [(min(batch_size, share - start), length) for start in range(0, share, batch_size)]
+    return batches
+
+
 @torch.no_grad()
 def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
     """Loss and accuracy on fresh samples, overall and per chain depth, and the share of
@@ -206,8 +221,9 @@ def evaluate(model, task, n_samples, batch_size, generator, device, autocast):
     """
     model.eval()
     total_loss, hits, counts, whole, n_sequences = 0.0, {}, {}, 0, 0
-    for start in range(0, n_samples, batch_size):
-        x, y = task.sample(min(batch_size, n_samples - start), generator)
+    for size, length in evaluation_batches(task, n_samples, batch_size):
+        x, y = (task.sample(size, generator) if length is None
+                else task.sample(size, generator, length=length))
         depth = task.chain_depth(x)
         x, y = x.to(device), y.to(device)
         with autocast:

@@ -284,6 +284,13 @@ def test_evaluate_scores_every_sample_asked_for(monkeypatch):
                    generator=torch.Generator().manual_seed(0), device="cpu",
                    autocast=contextlib.nullcontext())
     assert sizes == [8, 8, 4]
+    # A regular language: every training length, the samples spread evenly, n_samples in all.
+    parity = get_task("parity", max_train_length=6, max_test_length=9)
+    batches = train.evaluation_batches(parity, n_samples=20, batch_size=2)
+    assert sorted({length for _, length in batches}) == [1, 2, 3, 4, 5, 6]
+    assert sum(size for size, _ in batches) == 20 and max(size for size, _ in batches) == 2
+    per_length = [sum(size for size, l in batches if l == length) for length in range(1, 7)]
+    assert max(per_length) - min(per_length) <= 1
 
 
 class AnswerWriter(torch.nn.Module):
