@@ -12,8 +12,9 @@ is the prompt, encoded at once (for ChaCAL, one triangular solve), then every fu
 step against the per-layer cache, and the model's prediction at each position is its answer there.
 Boxes: the model writes the answer after the prompt by greedy decoding, scored by exact match.
 Both paths print the same answers with and without the cache; only the tokens/s differ.
-The regular languages and LEGO, and any model that cannot decode left to right (bidirectional,
-or adaptive depth without the cache), are read in one forward pass of a fresh example.
+The regular languages and LEGO, and any bidirectional model, are read in one forward pass of a
+fresh example; a model that cannot decode against a cache (adaptive depth, LEGO attention)
+decodes without one.
 """
 
 import argparse
@@ -22,9 +23,8 @@ import time
 
 import torch
 
-from data import BOS, EOS, SEP, decode, encode, render_answer, simulate
+from data import BOS, EOS, SEP, decode, encode, render_answer, simulate, until_eos
 from model import GPT, GPTConfig
-from data import until_eos
 from train import OneLineErrors, make_task, pick_device, synchronize
 
 
@@ -123,6 +123,10 @@ def main(argv=None):
                      f"have one length; --length is for the regular languages")
     if args.length is not None and args.length < 1:
         parser.error(f"--length {args.length} must be at least 1")
+    learned_positions = model.config.pos == "learned"
+    if args.length is not None and learned_positions and args.length > model.config.block_size:
+        parser.error(f"--length {args.length}: this model has learned positions up to "
+                     f"{model.config.block_size}; a model trained with --pos none runs at any length")
     if run.task == "boxes":
         return answer_boxes(model, task, args, device, parser)
     decodes = run.task == "toy" and model.config.causal  # read one token at a time
