@@ -293,8 +293,9 @@ def _default_operations(rng, boxes, letters, n_ops):
     return ops
 
 
-# Table 6 has 9 moves and 2 put/remove pairs; drawing moves and pairs 1:1 would make that
-# unlikely (3%), so we draw a move with probability 3/4 (our choice; the paper is silent).
+# Table 6 has 9 moves and 2 put/remove pairs in 13 operations; drawing moves and pairs 1:1
+# would make that unlikely (5%; 33% with 3/4, counting the last operation, always a move), so
+# we draw a move with probability 3/4 (our choice; the paper is silent).
 ADVANCED_MOVE_PROBABILITY = 0.75
 
 
@@ -386,8 +387,8 @@ class Boxes:
     version="advanced": 8 boxes A-H, 4 holding one item, 1-31 operations (log-uniform), every
     move implicit, only filled boxes described and answered: chains of up to 31 moves.
 
-    Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, punctuation, letters, template words,
-    the 100 objects; word-level, see encode(). A row and its labels (-1 is not scored):
+    Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
+    template words and 100 objects in one sorted list; word-level, see encode(). A row and its labels (-1 is not scored):
 
         x       <bos> the cup ... Box C  .  <sep> Box A        contains ... map .     <eos> <pad>
         y       -1    -1  -1  ... -1  -1 -1 Box   A   contains the      ... .   <eos> -1    -1
@@ -667,10 +668,11 @@ class ModularArithmetic(LabelAtEnd):
     """Modular arithmetic: the value, mod 5, of an expression over the digits 0..4 with + - *.
 
     Digits and operators are uniform; * binds before + and -, and the value is taken mod 5 in
-    Python's sense (never negative). An odd length T is n0 op n1 ... op nk; an even length gets
-    a leading +, as in the RegularGPT fork, so every length is valid and an even string is
-    (op, digit) pairs. Vocabulary 0 1 2 3 4 + - * =0 =1 =2 =3 =4. Lengths: train 1..40, test
-    41..500.
+    Python's sense (never negative). An odd length T is n0 op n1 ... op nk, as DeepMind's task;
+    an even length gets a leading +, so every length is valid and an even string is (op, digit)
+    pairs. (The RegularGPT fork cuts every even length to odd and then prepends +, so all its
+    strings are even-length pairs.) Vocabulary 0 1 2 3 4 + - * =0 =1 =2 =3 =4. Lengths: train
+    1..40, test 41..500.
 
         modular_arithmetic example: 3 - 4 * 2 + 1 -> =1
         modular_arithmetic example: + 3 - 4 * 2 + 1 -> =1
