@@ -350,8 +350,8 @@ def test_regular_language_run_scores_every_unseen_length(tmp_path):
 
 def test_regular_languages_change_the_defaults_but_never_a_typed_flag():
     args, *_ = train.parse_args(["--task", "parity", "--lr", "2e-3"])
-    assert (args.n_embd, args.batch_size, args.max_iters) == (64, 64, 3000)
-    assert args.lr == 2e-3 and args.min_lr == 2e-4 and args.lr_decay_iters == 3000
+    assert (args.n_embd, args.batch_size, args.max_iters) == (64, 64, 5000)
+    assert args.lr == 2e-3 and args.min_lr == 2e-4 and args.lr_decay_iters == 5000
     toy, *_ = train.parse_args([])
     assert (toy.n_embd, toy.batch_size, toy.lr, toy.max_iters) == (128, 32, 3e-3, 1000)
 
