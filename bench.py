@@ -4,7 +4,7 @@ Speed and memory of ChaCAL against standard attention, as ratios measured in one
     python bench.py            # full sizes on a GPU; small sizes on a CPU
     python bench.py --small    # the small sizes anywhere (a minute on a laptop)
 
-Four tables:
+Five tables:
 1. the attention core alone (forward + backward), standard (fused SDPA) vs ChaCAL (triangular
    solve), at growing sequence lengths with the number of tokens per batch held fixed;
 2. a whole one-layer model's training step (forward, backward, AdamW), same lengths;
@@ -12,9 +12,12 @@ Four tables:
    re-solving the whole prefix for every token (what decoding would cost without the cache);
 4. LEGO attention v0 and v1 against standard attention in a bidirectional layer: FLOPs of a
    training step (forward + backward), attention parameters and step time (the LEGO paper's
-   Figure 9, which counts FLOPs on batches of 64 x 512 tokens).
+   Figure 9, which counts FLOPs on batches of 64 x 512 tokens);
+5. Sliding-Dilated-Attention's training step on its two paths: the fast one, which gathers each
+   query's C entries, against the masked T x T map it equals (one level costs the same at any
+   dilation, so one layer stands for each of the log_C T levels).
 
-On a GPU a fifth line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
+On a GPU a last line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
 reports the training seconds it took. Each target of the project is printed beside its figure.
 Peak memory is reported on CUDA only (PyTorch tracks no CPU peak).
 """
@@ -73,10 +76,12 @@ def one_layer_model(attn, T, size, **options):
     return GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
 
 
-def bench_model_step(attn, T, tokens, size, dtype, device, repeats, **options):
-    """Median time and peak memory of one training step of a one-layer model."""
+def bench_model_step(attn, T, tokens, size, dtype, device, repeats, fused=True, **options):
+    """Median time and peak memory of one training step of a one-layer model; fused=False
+    takes the attention's readable path."""
     B = max(1, tokens // T)
     model = one_layer_model(attn, T, size, **options).to(device)
+    model.transformer.h[0].attn.fused = fused
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 128, (B, T), device=device)
 
@@ -197,8 +202,16 @@ def main():
         print(f"{attn:<10} {flops / 1e9:>9.2f} {flops / baseline[0]:>6.2f}x {params:>12,} "
               f"{params / baseline[1]:>6.2f}x {seconds * 1e3:>9.2f} {seconds / baseline[2]:>6.2f}x")
 
+    print("\n5. Sliding-Dilated-Attention (C = 2), one layer, training step: the masked T x T map "
+          "vs the fast path")
+    print(f"{'T':>6} {'map ms':>10} {'fast ms':>10} {'ratio':>8}")
+    for T in [40, 500] + ([2048] if full else []):  # 40 and 500: the training and longest test length
+        masked, fast = (bench_model_step("dilated", T, tokens, size, dtype, device, args.repeats,
+                                         fused=fused)[0] for fused in (False, True))
+        print(f"{T:>6} {masked * 1e3:>10.2f} {fast * 1e3:>10.2f} {fast / masked:>7.2f}x")
+
     if full:
-        print("\n5. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
+        print("\n6. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
         with tempfile.TemporaryDirectory() as out_dir:
             run = train.main(f"--attn chacal --task toy --n_embd 512 --n_head 8 --batch_size 128 "
                              f"--lr 1e-3 --warmup_iters 100 --max_iters 1500 --eval_interval 50 "
