@@ -270,10 +270,14 @@ class SlidingDilatedAttention(CausalSelfAttention):
         self.offset_bias = nn.Parameter(0.02 * torch.randn(config.n_head, config.chunk))  # r
         self.pad = nn.Parameter(0.02 * torch.randn(config.n_embd))                         # p
 
+    def dilation(self, depth):
+        """d = C^(depth // K): the spacing of the offsets at this depth."""
+        return self.chunk ** (depth // self.thickness)
+
     def score_bias(self, n_queries, n_keys, depth, device):
         """(nh, Tq, 1 + Tk): r[h, step] where the query sees the key, -inf elsewhere; column 0 is
         the pad's, the log-sum-exp of r over the steps that land before position 0."""
-        dilation = self.chunk ** (depth // self.thickness)
+        dilation = self.dilation(depth)
         query_pos = torch.arange(n_keys - n_queries, n_keys, device=device).view(-1, 1)
         offset = query_pos - torch.arange(n_keys, device=device).view(1, -1)   # (Tq, Tk)
         step = offset // dilation
@@ -313,7 +317,7 @@ class SlidingDilatedAttention(CausalSelfAttention):
         # pads in front, the entries at step s of all queries are one contiguous slice, shifted
         # back s·d; a shift beyond the first token lands wholly in the pads, as it should.
         n_queries, n_keys = q.size(-2), k.size(-2)
-        dilation = self.chunk ** (depth // self.thickness)
+        dilation = self.dilation(depth)
         reach = min((self.chunk - 1) * dilation, n_keys)
         k, v = self.pad_in_front(k, 1, reach), self.pad_in_front(v, 2, reach)
         end = reach + n_keys  # one past the last query's own entry
