@@ -60,9 +60,11 @@ class GPTConfig:
                              f"{self.n_blocks()}; give one name for all layers or one per layer")
         if not 0.0 <= self.gamma < 1.0:
             raise ValueError(f"--gamma {self.gamma} is outside [0, 1); the paper uses 0.9")
-        if self.n_layer < 1 or self.n_head < 1 or self.n_embd < 1 or self.n_embd % self.n_head:
+        if self.n_layer < 1:
+            raise ValueError(f"--n_layer {self.n_layer} must be at least 1")
+        if self.n_head < 1 or self.n_embd < 1 or self.n_embd % self.n_head:
             raise ValueError(f"--n_embd {self.n_embd} must be a positive multiple of "
-                             f"--n_head {self.n_head}, and --n_layer at least 1")
+                             f"--n_head {self.n_head}: each head gets n_embd / n_head channels")
         if self.pos not in ("learned", "none"):
             raise ValueError(f"--pos {self.pos!r}: choose learned or none")
         if self.norm not in ("pre", "post"):
@@ -70,18 +72,23 @@ class GPTConfig:
         if self.chunk < 2:
             raise ValueError(f"--chunk {self.chunk} must be at least 2: a chunk of 1 never looks "
                              f"past the token itself")
-        if self.thickness < 1 or (self.thickness > 1 and not self.share_weights
-                                  and "dilated" not in names):
-            raise ValueError(f"--thickness {self.thickness} must be >= 1, and only means something "
-                             f"with --share_weights or --attn dilated")
+        if self.thickness < 1:
+            raise ValueError(f"--thickness {self.thickness} must be at least 1")
+        if self.thickness > 1 and not self.share_weights and "dilated" not in names:
+            raise ValueError(f"--thickness {self.thickness} only means something with "
+                             f"--share_weights or --attn dilated; add one or drop it")
         if self.adaptive_depth and not self.share_weights:
             raise ValueError("--n_layer auto (adaptive depth) needs --share_weights: a depth that "
                              "grows with the input must reuse the same blocks")
-        if self.min_train_layers and (not self.share_weights or self.adaptive_depth
-                                      or not 1 <= self.min_train_layers <= self.n_layer):
-            raise ValueError(f"--min_train_layers {self.min_train_layers} (stochastic depth) needs "
-                             f"--share_weights, a fixed --n_layer, and 1 <= it <= --n_layer "
-                             f"{self.n_layer}")
+        if self.min_train_layers:
+            stochastic = f"--min_train_layers {self.min_train_layers} (stochastic depth)"
+            if not self.share_weights:
+                raise ValueError(f"{stochastic} needs --share_weights: every depth drawn "
+                                 f"reuses the same block, as LEGO's ALBERT does")
+            if self.adaptive_depth:
+                raise ValueError(f"{stochastic} needs a fixed --n_layer, not auto")
+            if not 1 <= self.min_train_layers <= self.n_layer:
+                raise ValueError(f"{stochastic} must lie in 1..--n_layer {self.n_layer}")
         if not self.causal and "dilated" in names:
             raise ValueError("--bidirectional: Sliding-Dilated-Attention only looks back; "
                              "drop --bidirectional or pick another --attn")

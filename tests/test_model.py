@@ -16,16 +16,21 @@ def small_model(attn, seed=0, **overrides):
     return GPT(GPTConfig(**options)).double().eval()
 
 
+def decoded_with_cache(model, idx, prompt_length):
+    """Logits of idx read through a cache: a prompt of prompt_length tokens in one call (one
+    prefill solve for ChaCAL), then one token per call, as generate() decodes."""
+    caches = model.new_caches()
+    pieces = [model(idx[:, :prompt_length], caches=caches)[0]]
+    pieces += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(prompt_length, idx.size(1))]
+    return torch.cat(pieces, dim=1)
+
+
 @pytest.mark.parametrize("attn", ATTENTION_STACKS)
 def test_cached_decoding_equals_full_forward(attn):
     model = small_model(attn)
     idx = torch.randint(0, 30, (3, 25), generator=torch.Generator().manual_seed(1))
     full, _ = model(idx)
-    caches = model.new_caches()
-    pieces = [model(idx[:, :10], caches=caches)[0]]             # prefill a 10-token prompt
-    for t in range(10, 25):                                      # then one token at a time
-        pieces.append(model(idx[:, t:t + 1], caches=caches)[0])
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(decoded_with_cache(model, idx, 10), full, rtol=1e-10, atol=1e-10)
 
 
 def test_post_norm_blocks_decode_with_a_cache_and_normalise_their_output():
@@ -41,10 +46,7 @@ def test_post_norm_blocks_decode_with_a_cache_and_normalise_their_output():
         torch.testing.assert_close(out.mean(dim=-1), torch.zeros(2, 20, dtype=out.dtype))
         torch.testing.assert_close(out.var(dim=-1, unbiased=False), torch.ones(2, 20, dtype=out.dtype),
                                    rtol=1e-4, atol=1e-4)
-    caches = model.new_caches()
-    pieces = [model(idx[:, :7], caches=caches)[0]]
-    pieces += [model(idx[:, t:t + 1], caches=caches)[0] for t in range(7, 20)]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(decoded_with_cache(model, idx, 7), full, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("attn", ATTENTION_STACKS)
@@ -143,6 +145,9 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(pos="sinusoidal"), "--pos"),
     (dict(adaptive_depth=True), "--share_weights"),
     (dict(thickness=2), "--thickness"),
+    (dict(share_weights=True, thickness=0), "--thickness"),
+    (dict(n_layer=0), "--n_layer"),
+    (dict(share_weights=True, adaptive_depth=True, min_train_layers=1), "--min_train_layers"),
     (dict(share_weights=True, n_layer=4, min_train_layers=5), "--min_train_layers"),
     (dict(n_layer=4, min_train_layers=2), "--min_train_layers"),
     (dict(attn="dilated", causal=False), "--bidirectional"),
