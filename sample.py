@@ -142,9 +142,13 @@ def main(argv=None):
     elif args.prompt is None:
         x, _ = task.sample(1, generator)
     else:
+        words = args.prompt.replace(",", " ").split()
+        not_ids = [word for word in words if not word.isdigit()]
+        if not_ids:
+            parser.error(f"--prompt: a toy prompt is token ids, whole numbers; {not_ids[0]!r} is "
+                         f"not one (run without --prompt to see a fresh example)")
+        x = torch.tensor([[int(word) for word in words]])
         try:
-            tokens = [int(token) for token in args.prompt.replace(",", " ").split()]
-            x = torch.tensor([tokens])
             task.validate(x)
         except ValueError as error:
             parser.error(f"--prompt: {error}")

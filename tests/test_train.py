@@ -184,8 +184,9 @@ def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
     result = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", prompt)
     assert result.returncode == 0, result.stderr
     assert "block  3" in result.stdout
-    bad = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", "1 2 3")
-    assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
+    for bad_prompt in ("1 2 3", prompt.replace("11", "x")):  # too short; not a token id
+        bad = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", bad_prompt)
+        assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("flags, shown", [
