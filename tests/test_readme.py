@@ -1,0 +1,51 @@
+"""The README's commands are valid as written: every flag exists and the flags of each command
+combine (train.py's start-up checks accept them). Running them all would take hours; a renamed
+flag or a combination that became an error shows up here in seconds."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_commands(script):
+    """Every `python <script> ...` command in the README, in code blocks or inline code, as argv
+    lists (line continuations joined, comments dropped, each once). A line with "..." is an
+    elision, not a command, and is left out; so is --help, which exits before any check."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read().replace("\\\n", " ")
+    commands = []
+    for match in re.finditer(rf"python {re.escape(script)}([^`\n]*)", text):
+        words = match.group(1).split("#")[0]
+        if "..." not in words and "--help" not in words:
+            commands.append(tuple(shlex.split(words)))
+    return [list(argv) for argv in dict.fromkeys(commands)]
+
+
+def test_the_readme_has_commands_to_check():
+    assert len(readme_commands("train.py")) >= 15 and readme_commands("sample.py")
+
+
+@pytest.mark.parametrize("argv", readme_commands("train.py"), ids=" ".join)
+def test_readme_train_commands_pass_the_start_up_checks(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the boxes command writes its small dataset to ./data_cache
+    if "--resume" in argv:  # it continues a run: the flags alone can be checked
+        train.build_parser().parse_args(argv)
+    else:
+        train.parse_args(argv + ["--device", "cpu"])
+
+
+@pytest.mark.parametrize("script", ["sample.py", "bench.py"])
+def test_readme_flags_of_sample_and_bench_exist(script):
+    # These need a checkpoint (or minutes) to run; their flags must at least be ones they accept.
+    usage = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"],
+                           capture_output=True, text=True, timeout=60).stdout
+    flags = {word for argv in readme_commands(script) for word in argv if word.startswith("--")}
+    assert flags <= set(re.findall(r"--\w+", usage))
