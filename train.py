@@ -394,12 +394,15 @@ def parse_args(argv=None):
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     args.lr_decay_iters = args.max_iters if args.lr_decay_iters is None else args.lr_decay_iters
     try:
-        if min(args.max_iters, args.eval_interval, args.batch_size, args.eval_samples) < 1:
-            raise ValueError("--max_iters, --eval_interval, --batch_size and --eval_samples must "
-                             "be at least 1")
-        if args.lr <= 0 or args.warmup_iters < 0 or args.lr_decay_iters < 1:
-            raise ValueError(f"--lr {args.lr} must be > 0, --warmup_iters >= 0 and "
-                             f"--lr_decay_iters >= 1")
+        for flag in ("max_iters", "eval_interval", "batch_size", "eval_samples", "lr_decay_iters",
+                     "seeds", "jobs", "length_samples"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag} {getattr(args, flag)} must be at least 1")
+        for flag in ("warmup_iters", "mimic_iters"):
+            if getattr(args, flag) < 0:
+                raise ValueError(f"--{flag} {getattr(args, flag)} must be at least 0")
+        if args.lr <= 0:
+            raise ValueError(f"--lr {args.lr} must be above 0")
         if not 0 <= args.min_lr <= args.lr:
             raise ValueError(f"--min_lr {args.min_lr} must lie in [0, --lr {args.lr}]: the "
                              f"schedule decays from lr to min_lr")
@@ -438,8 +441,6 @@ def parse_args(argv=None):
         if args.bidirectional and args.task == "boxes":
             raise ValueError("--bidirectional: boxes is scored by generating its answer, and a "
                              "bidirectional model would read the answer it has to write")
-        if args.mimic_iters < 0 or min(args.seeds, args.jobs, args.length_samples) < 1:
-            raise ValueError("--mimic_iters must be >= 0, --seeds, --jobs and --length_samples >= 1")
         if args.jobs > args.seeds:
             raise ValueError(f"--jobs {args.jobs} runs seeds at once, and --seeds is {args.seeds}: "
                              f"raise --seeds or lower --jobs")
