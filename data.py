@@ -46,8 +46,11 @@ class PointerChains:
     """
 
     def __init__(self, n_blocks=16, block_len=8, vocab_size=None):
-        if n_blocks < 2 or block_len < 1:
-            raise ValueError(f"--n_blocks {n_blocks} must be >= 2 and --block_len {block_len} >= 1")
+        if n_blocks < 2:
+            raise ValueError(f"--n_blocks {n_blocks} must be at least 2: block 0 holds the values, "
+                             f"the blocks after it the pointers")
+        if block_len < 1:
+            raise ValueError(f"--block_len {block_len} must be at least 1")
         self.n_blocks, self.block_len = n_blocks, block_len
         self.block_size = n_blocks * block_len
         # Pointers are absolute positions, so the vocabulary must hold every position.

@@ -49,3 +49,10 @@ def test_toy_sampling_is_deterministic_given_a_generator():
 def test_unknown_task_names_the_flag():
     with pytest.raises(ValueError, match="--task"):
         get_task("chess")
+
+
+@pytest.mark.parametrize("options, flag", [(dict(n_blocks=1), "--n_blocks"),
+                                           (dict(block_len=0), "--block_len")])
+def test_toy_sizes_out_of_range_name_their_flag(options, flag):
+    with pytest.raises(ValueError, match=flag):
+        get_task("toy", **options)
