@@ -126,7 +126,7 @@ def test_a_fresh_run_stopped_early_leaves_no_checkpoint_of_an_earlier_run(tmp_pa
     assert stopped.value.code == 130 and not (tmp_path / "ckpt.pt").exists()
 
 
-@pytest.mark.parametrize("flags, named", [
+BAD_FLAGS = [
     (["--attn", "flash"], "--attn"),
     (["--task", "chess"], "--task"),
     (["--gamma", "1.0"], "--gamma"),
@@ -162,13 +162,24 @@ def test_a_fresh_run_stopped_early_leaves_no_checkpoint_of_an_earlier_run(tmp_pa
     (["--block_size", "0"], "--block_size"),
     (["--task", "boxes", "--n_train", "0"], "--n_train"),
     (["--resume", "--seeds", "2", "--out_dir", "no/such/runs"], "--resume"),
-])
-def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named):
-    result = run_script("train.py", *flags)
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    error_line = result.stderr.strip().splitlines()[-1]
-    assert error_line.startswith("train.py: error:") and named in error_line
+]
+
+
+def test_the_script_prints_one_line_for_bad_input():
+    result = run_script("train.py", "--gamma", "1.0")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == ("train.py: error: --gamma 1.0 is outside [0, 1); the paper "
+                                     "uses 0.9")  # the README's example, word for word
+
+
+@pytest.mark.parametrize("flags, named", BAD_FLAGS)
+def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, capsys):
+    # In-process, as `python train.py` calls main(): any exception but argparse's exit fails here.
+    with pytest.raises(SystemExit) as stopped:
+        train.main(flags)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("train.py: error:") and named in error[0]
 
 
 @pytest.mark.parametrize("model", [[], ["--share_weights"], ["--attn", "lego_v0"]])  # the last two
