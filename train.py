@@ -731,20 +731,29 @@ def with_seeds_command(argv):
         return json.load(f)["argv"] + argv
 
 
-def train_many(argvs, jobs=1):
+def train_many(argvs, jobs=1, resume_saved=False):
     """main(argv) for every argument list, `jobs` of them at a time; the summaries, in order.
 
     A small model's training step is mostly Python launching kernels, so one run leaves a GPU
     (or a many-core CPU) mostly idle; runs in separate processes overlap that work. Each
     process is spawned (a forked one cannot use CUDA), gets its share of the CPU threads, and
     writes what it would print to out_dir/log.txt; the summary lines are printed here.
+
+    resume_saved: a run whose out_dir holds a checkpoint gets --resume, so a lesson executed
+    again continues the runs an interruption stopped and takes the finished ones as they are
+    (a finished run returns its summary without training). Off by default: after a change to
+    the code, every run should train anew.
     """
+    parser = build_parser()
+    out_dirs = [parser.parse_known_args(argv)[0].out_dir for argv in argvs]
+    if resume_saved:
+        argvs = [list(argv) + ["--resume"] * os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+                 for argv, out_dir in zip(argvs, out_dirs)]
     if jobs == 1:
         return [main(argv) for argv in argvs]
     context = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    parser = build_parser()
-    logs = [os.path.join(parser.parse_known_args(argv)[0].out_dir, "log.txt") for argv in argvs]
+    logs = [os.path.join(out_dir, "log.txt") for out_dir in out_dirs]
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         running = {pool.submit(main_logged, argv, log, threads): log

@@ -413,6 +413,21 @@ def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_pa
     assert "step 6:" in (tmp_path / "parallel" / "0" / "log.txt").read_text()
 
 
+def test_train_many_takes_saved_runs_as_they_are_only_when_asked(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "4", "--eval_interval", "2"]
+    finished = flags + ["--out_dir", str(tmp_path / "finished")]
+    stopped = flags + ["--out_dir", str(tmp_path / "stopped")]
+    first = train.main(finished)
+    train.main(stopped + ["--max_iters", "2"])  # the last of a repeated flag wins
+    saved = json.loads((tmp_path / "stopped" / "metrics.jsonl").read_text())
+    again, resumed = train.train_many([finished, stopped], resume_saved=True)
+    assert again["final"] == first["final"]  # train_time included: it did not train again
+    assert [m["step"] for m in resumed["metrics"]] == [2, 4] and resumed["metrics"][0] == saved
+    capsys.readouterr()
+    train.train_many([finished])  # by default every run starts over
+    assert "of an earlier run removed" in capsys.readouterr().out
+
+
 def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path):
     # The pool hands a few runs to its workers ahead of time, and those cannot be called back;
     # runs of a second each make sure the failure is seen long before the last ones come up.
