@@ -371,8 +371,8 @@ def signature_split(version, seed):
 @functools.lru_cache(maxsize=4)
 def _read_dataset(path, modified):
     # A run builds one Boxes per split from the same file; read it once (keyed by its mtime too,
-    # so a file written anew is read anew).
-    return torch.load(path)
+    # so a file written anew is read anew). It holds tensors only, so nothing but tensors is unpickled.
+    return torch.load(path, weights_only=True)
 
 
 class Boxes:
