@@ -376,7 +376,7 @@ def parse_args(argv=None):
         if not os.path.exists(path):
             parser.error(f"--resume: no checkpoint at {path}; start the run without --resume "
                          f"first, or point --out_dir at the run to continue")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         # Defaults, then the run's saved settings, then what was typed now: so a flag added to
         # train.py after the checkpoint was written still has a value.
         settings = vars(parser.parse_args([]))
