@@ -24,8 +24,7 @@ import time
 import torch
 
 from data import BOS, EOS, SEP, decode, encode, render_answer, simulate, until_eos
-from model import GPT, GPTConfig
-from train import OneLineErrors, make_task, pick_device, synchronize
+from train import OneLineErrors, load_model, make_task, pick_device, synchronize
 
 
 @torch.no_grad()
@@ -112,12 +111,9 @@ def main(argv=None):
         device = pick_device(args.device)
     except ValueError as error:
         parser.error(str(error))
-    # A checkpoint holds tensors, numbers and strings only, so loading one, even someone else's, runs no code.
-    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    model, checkpoint = load_model(args.out_dir, device)
     run = argparse.Namespace(**checkpoint["args"])
     task = make_task(run, split="test")
-    model = GPT(GPTConfig(**checkpoint["config"])).to(device).eval()
-    model.load_state_dict(checkpoint["model"])
 
     if args.length is not None and not hasattr(task, "test_lengths"):
         parser.error(f"--length: the run in {args.out_dir} learned {run.task}, whose sequences "

@@ -351,6 +351,17 @@ def save_checkpoint(path, model, optimizer, args, step, train_time, data_rng, ev
     os.replace(path + ".tmp", path)  # a kill during the save leaves the old checkpoint whole
 
 
+def load_model(out_dir, device="cpu"):
+    """The model a run saved in out_dir/ckpt.pt, in eval mode on device, and the checkpoint it came
+    from (its "args" are the run's flags, its "step" how far it trained). sample.py and the lessons
+    load trained models with it."""
+    # A checkpoint holds tensors, numbers and strings only, so loading one, even someone else's, runs no code.
+    checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location=device, weights_only=True)
+    model = GPT(GPTConfig(**checkpoint["config"])).to(device).eval()
+    model.load_state_dict(checkpoint["model"])
+    return model, checkpoint
+
+
 # Where the regular languages differ from the toy task's defaults. With the toy's (d 128, batch 32,
 # lr 3e-3, 1,000 steps) RegularGPT (C = 2) was still at 53% on parity when it stopped. With these,
 # on a 2-core CPU, it passed 99% at step 1,600, 3,800, 1,900 and 2,100 (seeds 1337, 1, 2, 3), then
