@@ -135,7 +135,7 @@ class CausalSelfAttention(nn.Module):
 
     (Vaswani et al. 2017; ChaCAL paper Section 2.1, Eq. 1-2.) M masks the future; a
     bidirectional model (config.causal False, for LEGO) drops it. Parameter names follow GPT-2
-    (`c_attn` holds W_q, W_k, W_v; `c_proj` is W_o) so its weights load by name.
+    (`c_attn` holds W_q, W_k, W_v; `c_proj` is W_o), so GPT.from_pretrained maps its weights.
 
     Subclasses change how the heads mix their values by overriding `mix` alone.
     """
@@ -446,6 +446,49 @@ class LEGOAttentionV1(LEGOAttention):
     """
 
     standard_heads = True
+
+
+# -----------------------------------------------------------------------------
+# LEGO's mimicking initialisation (Zhang et al. 2022, Section 4.3): before training on the task,
+# pull heads 0 and 1 of every layer toward the two maps a pretrained BERT's heads show.
+
+def smoothed(maps, causal):
+    """Add 1e-3 to every weight a query may give, then renormalise rows, as LEGO's mimicking
+    does, so that the KL below stays finite."""
+    maps = maps + 1e-3
+    if causal:
+        maps = maps.tril()
+    return maps / maps.sum(dim=-1, keepdim=True)
+
+
+def mimicking_targets(token_ids, causal):
+    """Manipulation: weights 1, 2, 4, 2, 1 on the tokens from two before to two after, whatever
+    they are; association: every *other* token equal to this one. Each (B, T, T), smoothed."""
+    B, T = token_ids.shape
+    offset = torch.arange(T).view(1, T) - torch.arange(T).view(T, 1)  # key minus query position
+    manipulation = torch.zeros(T, T)
+    for distance, weight in {-2: 1, -1: 2, 0: 4, 1: 2, 2: 1}.items():
+        manipulation[offset == distance] = weight
+    association = (token_ids.view(B, T, 1) == token_ids.view(B, 1, T)).float()
+    association = association * (1 - torch.eye(T, device=token_ids.device))  # not the diagonal
+    return (smoothed(manipulation.expand(B, T, T).to(token_ids.device), causal),
+            smoothed(association, causal))
+
+
+def mimicking_loss(maps_per_layer, token_ids, causal):
+    """Σ over layers of KL(head 0 ‖ manipulation) + KL(head 1 ‖ association), the model's map
+    first (a reverse KL, as the LEGO code), averaged over sequences and queries.
+    maps_per_layer: a list of (B, nh, T, T), from GPT.attention_maps."""
+    manipulation, association = mimicking_targets(token_ids, causal)
+    loss = 0.0
+    for maps in maps_per_layer:
+        for head, target in ((0, manipulation), (1, association)):
+            p = smoothed(maps[:, head].float(), causal)
+            # A causal map is 0 on the future in both p and the target. The clamp makes those
+            # terms 0·log(tiny) = 0 with a finite gradient, where log 0 would give NaN.
+            log_ratio = p.clamp_min(1e-30).log() - target.clamp_min(1e-30).log()
+            loss = loss + (p * log_ratio).sum(dim=-1).mean()
+    return loss
 
 
 # The --attn name of each variant.

@@ -2,7 +2,7 @@
 A GPT-2 style transformer whose attention is chosen per layer (standard, ChaCAL, ...).
 
 Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP,
-as GPT-2 and nanoGPT; parameter names follow GPT-2 so its weights load by name. Post-LayerNorm
+as GPT-2 and nanoGPT; parameter names follow GPT-2's. Post-LayerNorm
 blocks (the original Transformer's, BERT's and RegularGPT's) are one option away. The model knows
 nothing about tasks: it maps token ids to logits, and ignores targets equal to -1 in the loss.
 
@@ -93,6 +93,13 @@ class GPTConfig:
             raise ValueError("--bidirectional: Sliding-Dilated-Attention only looks back; "
                              "drop --bidirectional or pick another --attn")
 
+    def describe(self):
+        """The model in a few words, e.g. "2 layers of standard,chacal (gamma 0.9)"."""
+        depth = "adaptive depth" if self.adaptive_depth else f"{self.n_layer} layer(s)"
+        shared = f", {self.thickness} shared block(s)" if self.share_weights else ""
+        gamma = f" (gamma {self.gamma})" if "chacal" in self.attn else ""
+        return f"{depth} of {self.attn}{gamma}{shared}, {self.norm}-LayerNorm"
+
     def n_blocks(self):
         """Distinct blocks (with their own weights): thickness when shared, else n_layer."""
         return self.thickness if self.share_weights else self.n_layer
@@ -181,6 +188,17 @@ class GPT(nn.Module):
         """Parameters, the tied embedding counted once (the paper's "Size" column)."""
         return sum(p.numel() for p in self.parameters())
 
+    def configure_optimizer(self, weight_decay, lr, betas):
+        """AdamW with weight decay on the weights that mix inputs (linear maps, embeddings,
+        convolutions), as GPT-2. Biases, LayerNorm gains, the dilated attention's pad vector and
+        its score bias r (a matrix, but of offsets) set levels instead, and are not decayed."""
+        decayed, kept = [], []
+        for name, p in self.named_parameters():
+            mixes = p.dim() >= 2 and not name.endswith("offset_bias")
+            (decayed if mixes else kept).append(p)
+        return torch.optim.AdamW([{"params": decayed, "weight_decay": weight_decay},
+                                  {"params": kept, "weight_decay": 0.0}], lr=lr, betas=betas)
+
     def attention_maps(self, idx):
         """The attention weights of every layer run on idx (B, T), in order: a list of
         (B, nh, T, T), differentiable (mimicking trains them). Shared blocks give one per use."""
@@ -211,11 +229,11 @@ class GPT(nn.Module):
 
     def new_caches(self):
         """One empty LayerCache per layer, to pass to forward() when decoding."""
-        if self.config.adaptive_depth:
-            raise ValueError("adaptive depth changes the number of layers as the sequence grows, "
-                             "so a cache cannot be reused; decode with use_cache=False")
         if not self.config.causal:
             raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
+        if not self.can_cache():
+            raise ValueError("this model cannot decode against a cache (adaptive depth, or LEGO "
+                             "attention); decode with use_cache=False")
         return [LayerCache() for _ in range(self.config.n_layer)]
 
     def forward(self, idx, targets=None, caches=None):
@@ -250,61 +268,66 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
                  generator=None, stop_token=None, prompt_lengths=None):
-        """Continue idx (B, T) by up to max_new_tokens tokens; returns (B, T + new tokens).
+        """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + new tokens).
 
         temperature=0 is greedy decoding. With use_cache the prompt is encoded once (for ChaCAL,
         one triangular solve) and every new token costs one step against the cache; without it,
         each new token recomputes the whole sequence, which is slower but obviously right.
-        Generation ends early once every row has produced stop_token (e.g. an end-of-answer id).
+        Decodes in eval mode (no dropout, the full depth), then restores the mode it found.
 
-        prompt_lengths (B,): prompts of different lengths in one batch, row r's prompt being
-        idx[r, :prompt_lengths[r]] (the rest is ignored). Decoding starts after the shortest
-        prompt, and a row still inside its own prompt takes the prompt's next token instead of a
-        generated one, so each row reads exactly its own prompt at its own positions, with no
-        padding inside the attention. Row r's answer then starts at column prompt_lengths[r].
-        Decoding runs to column max(prompt_lengths) + max_new_tokens: the row with the longest
-        prompt writes max_new_tokens tokens, a row with a shorter one more.
-
-        Decodes in eval mode (no dropout, and the full depth where stochastic depth would draw a
-        new one for every token), then leaves the model in the mode it found it in.
+        Two options for answering a batch of prompts (boxes):
+        - stop_token: stop early once every row has written it;
+        - prompt_lengths (B,): row r's prompt is idx[r, :prompt_lengths[r]] (the rest is ignored).
+          Decoding starts after the shortest prompt, and a row still inside its own prompt takes
+          the prompt's next token instead of a generated one (see forced_prompt_tokens), so each
+          row reads its own prompt at its own positions, with no padding inside the attention.
+          Row r's answer starts at column prompt_lengths[r]; the longest prompt's row writes
+          max_new_tokens tokens, a shorter one's more.
         """
         if not self.config.causal:
             raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
-        was_training = self.training
-        self.eval()
-        prompts = idx
-        lengths = torch.full((idx.size(0),), idx.size(1), device=idx.device)
-        if prompt_lengths is not None:
-            lengths = torch.as_tensor(prompt_lengths, device=idx.device)
-            idx = idx[:, :int(lengths.min())]
+        prompts, lengths = idx, torch.as_tensor(prompt_lengths if prompt_lengths is not None
+                                                else [idx.size(1)] * idx.size(0), device=idx.device)
+        idx = idx[:, :int(lengths.min())]
         end = int(lengths.max()) + max_new_tokens
         if self.config.pos == "learned" and end > self.config.block_size:
             raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
                              f"({max_new_tokens}) is longer than block_size {self.config.block_size}")
+        was_training = self.training
+        self.eval()
         caches = self.new_caches() if use_cache else None
-        new_tokens = idx  # what the next forward has to read
+        new_tokens = idx  # what the next forward has to read: all of it without a cache
         finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         while idx.size(1) < end:
             logits, _ = self(new_tokens if use_cache else idx, caches=caches)
-            logits = logits[:, -1, :]
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-                next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-            position = idx.size(1)
-            in_prompt = position < lengths                                      # (B,)
-            if in_prompt.any():
-                next_token = torch.where(in_prompt[:, None], prompts[:, position:position + 1],
-                                         next_token)
+            next_token = self.pick_token(logits[:, -1, :], temperature, top_k, generator)
+            next_token, in_prompt = forced_prompt_tokens(next_token, prompts, lengths, idx.size(1))
             idx = torch.cat([idx, next_token], dim=1)
             new_tokens = next_token
             if stop_token is not None:
-                finished = finished | ((next_token[:, 0] == stop_token) & ~in_prompt)
+                finished |= (next_token[:, 0] == stop_token) & ~in_prompt
                 if finished.all():
                     break
         self.train(was_training)
         return idx
+
+    @staticmethod
+    def pick_token(logits, temperature, top_k=None, generator=None):
+        """The next token (B, 1) from last-position logits (B, vocab): argmax at temperature 0,
+        else a draw from the softmax at that temperature, among the top_k if given."""
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None:
+            kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+
+def forced_prompt_tokens(next_token, prompts, lengths, position):
+    """Rows still inside their prompt at this position take the prompt's token, not the model's.
+    Returns (tokens (B, 1), in_prompt (B,))."""
+    in_prompt = position < lengths
+    if in_prompt.any():
+        next_token = torch.where(in_prompt[:, None], prompts[:, position:position + 1], next_token)
+    return next_token, in_prompt

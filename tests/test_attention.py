@@ -41,7 +41,7 @@ def test_chacal_equals_explicit_inverse(gamma):
 
 
 def test_chacal_keeps_the_diagonal_out_of_the_inverse():
-    # Keeping the diagonal inside the inverse gives a different operator (decisions.md):
+    # Keeping the diagonal inside the inverse gives a different operator (paper, Section 4.1):
     # the test above would not notice if both readings agreed, so check they do not.
     q, k, v = random_qkv()
     gamma, A = 0.9, explicit_softmax_attention(q, k)

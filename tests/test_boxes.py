@@ -51,8 +51,8 @@ def examples(version, n):
 
 
 @functools.cache
-def task(version, split="train"):
-    return get_task("boxes", version=version, n_train=300, n_test=100, seed=3, split=split,
+def task(version):
+    return get_task("boxes", boxes_version=version, n_train=300, n_test=100, data_seed=3,
                     cache_dir=None)
 
 
@@ -165,7 +165,7 @@ def test_generator_is_deterministic_given_its_rng():
 def test_train_and_test_never_share_an_initial_signature(version):
     seen, letters = {}, "ABCDEFGH" if version == "advanced" else "ABCDEFG"
     for split in ("train", "test"):
-        rows = task(version, split).rows
+        rows = task(version).rows[split]
         seen[split] = {initial_signature(decode(row[1:row.tolist().index(SEP)]), letters)
                        for row in rows}
     assert seen["train"] and seen["test"] and not seen["train"] & seen["test"]
@@ -232,32 +232,52 @@ def test_docstring_example_labels_and_chain_depth():
 
 
 def test_prompt_and_answer_and_describe():
-    t = task("advanced", "test")
+    t = task("advanced")
     prompt, answer = t.prompt_and_answer(0)
     assert prompt[0] == BOS and prompt[-1] == SEP and (prompt == SEP).sum() == 1
     assert answer == render_answer(simulate(decode(prompt[1:-1]))[0], with_empty=False)
-    x, y = t.sample(1)
+    x, y = t.sample(1, split="test")
     text = t.describe(x[0], y[0], predictions=y[0])
     assert decode(y[0][y[0] != -1]) in text and "exact match" in text
     assert "exact match" not in t.describe(x[0], y[0], predictions=torch.zeros_like(y[0]))
 
 
 def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
-    options = dict(version="default", n_train=40, n_test=10, seed=1, cache_dir=str(tmp_path))
+    options = dict(boxes_version="default", n_train=40, n_test=10, data_seed=1, cache_dir=str(tmp_path))
     first = get_task("boxes", **options)
     assert [p.name for p in tmp_path.iterdir()] == ["boxes-default-seed1-40+10.pt"]
 
     def no_generation(*args, **kwargs):
         raise AssertionError("generated again instead of reading the cache")
     monkeypatch.setattr(data, "generate_example", no_generation)
-    again, test = get_task("boxes", **options), get_task("boxes", **options, split="test")
-    assert torch.equal(first.rows, again.rows) and len(test.rows) == 10
+    again = get_task("boxes", **options)
+    assert torch.equal(first.rows["train"], again.rows["train"]) and len(again.rows["test"]) == 10
     assert len(list(tmp_path.iterdir())) == 1
     with pytest.raises(AssertionError, match="generated again"):  # a new seed is not cached
-        get_task("boxes", **{**options, "seed": 2})
+        get_task("boxes", **{**options, "data_seed": 2})
 
 
 def test_boxes_is_registered_and_options_are_checked():
     assert data.TASKS["boxes"] is data.Boxes
-    with pytest.raises(ValueError, match="version"):
-        get_task("boxes", version="hard", cache_dir=None)
+    with pytest.raises(ValueError, match="--boxes_version"):
+        get_task("boxes", boxes_version="hard", cache_dir=None)
+
+
+def test_describe_scores_an_answer_written_after_the_prompt():
+    t = task("default")
+    prompt = [BOS, *encode(TINY_PROMPT), SEP]
+    right = t.describe(torch.tensor(prompt + encode(TINY_ANSWER) + [EOS, PAD]))
+    assert f"model : {TINY_ANSWER}" in right and "exact match: yes; boxes right 3/3" in right
+    wrong = t.describe(torch.tensor(prompt + encode("Box B is empty.")))
+    assert "exact match: no; boxes right 1/3" in wrong
+
+
+def test_example_is_a_test_prompt_or_the_typed_one():
+    t = task("default")
+    x, n_prompt = t.example(torch.Generator().manual_seed(0))
+    assert x.size(1) == n_prompt and x[0, 0] == BOS and x[0, -1] == SEP
+    assert any(torch.equal(x[0], t.prompt_and_answer(i)[0]) for i in range(len(t.rows["test"])))
+    typed, _ = t.example(None, prompt=TINY_PROMPT)
+    assert typed[0].tolist() == [BOS, *encode(TINY_PROMPT), SEP]
+    with pytest.raises(ValueError, match="--prompt"):
+        t.example(None, prompt="Juggle Box A.")

@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from data import get_task
+import data
+
+from data import EOS, decode, encode, get_task, parse_answer, render_answer
+from model import GPTConfig
 
 
 @pytest.mark.parametrize("options", [{}, dict(n_blocks=4, block_len=2), dict(n_blocks=9, block_len=5)])
@@ -56,3 +59,106 @@ def test_unknown_task_names_the_flag():
 def test_toy_sizes_out_of_range_name_their_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
         get_task("toy", **options)
+
+
+def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
+    task = get_task("toy", n_blocks=4, block_len=4)
+    x, n_prompt = task.example(None, prompt="5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10")
+    assert x.shape == (1, 16) and n_prompt == 4
+    fresh, _ = task.example(torch.Generator().manual_seed(0))
+    assert torch.equal(task.solve(fresh)[:, 4:] >= 0, torch.ones(1, 12, dtype=torch.bool))
+    for bad in ["1 2 3", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 x", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 ²",
+                "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 " + "9" * 23, "5 9 1 0 9 2 1 0 7 5 6 4 8 9 11 10"]:
+        with pytest.raises(ValueError, match="--prompt"):
+            task.example(None, prompt=bad)
+    with pytest.raises(ValueError, match="--length"):
+        task.example(None, length=30)
+
+
+class Oracle(torch.nn.Module):
+    """Stands in for a model: logits that put all mass on the target, except where told."""
+
+    def __init__(self, vocab_size, wrong_rows=()):
+        super().__init__()
+        self.vocab_size, self.wrong_rows = vocab_size, set(wrong_rows)
+
+    def forward(self, x, y):
+        logits = torch.nn.functional.one_hot(y.clamp(min=0), self.vocab_size).float()
+        for row in self.wrong_rows:  # one wrong answer at the last scored position of the row
+            last = (y[row] != -1).nonzero()[-1, 0]
+            logits[row, last] = torch.roll(logits[row, last], 1)
+        return logits, torch.tensor(0.0)
+
+
+def test_evaluate_counts_whole_sequences_and_depths():
+    task = get_task("toy", n_blocks=4, block_len=4)
+
+    def evaluate(model):
+        return task.evaluate(model, n_samples=8, batch_size=8,
+                             generator=torch.Generator().manual_seed(0))
+
+    perfect = evaluate(Oracle(task.vocab_size))
+    assert perfect["eval_acc"] == 1 and perfect["eval_whole_sequences"] == 1
+    flawed = evaluate(Oracle(task.vocab_size, wrong_rows=[0, 3]))  # 2 of 8 rows, 1 token each
+    assert flawed["eval_whole_sequences"] == 6 / 8
+    assert flawed["eval_acc_by_depth"] == {"1": 1.0, "2": 1.0, "3": 30 / 32}
+
+
+def test_evaluate_scores_every_sample_asked_for(monkeypatch):
+    task, sizes = get_task("toy", n_blocks=4, block_len=4), []
+    sample = task.sample
+    monkeypatch.setattr(task, "sample", lambda n, generator, split: sizes.append((n, split))
+                        or sample(n, generator, split))
+    task.evaluate(Oracle(task.vocab_size), n_samples=20, batch_size=8,
+                  generator=torch.Generator().manual_seed(0))
+    assert sizes == [(8, "test"), (8, "test"), (4, "test")]
+    # A regular language: every training length, the samples spread evenly, n_samples in all.
+    parity = get_task("parity", max_train_length=6, max_test_length=9)
+    batches = list(parity.evaluation_batches(20, 2, torch.Generator().manual_seed(0)))
+    sizes = [(x.size(0), x.size(1)) for x, _ in batches]
+    assert sorted({length for _, length in sizes}) == [1, 2, 3, 4, 5, 6]
+    assert sum(size for size, _ in sizes) == 20 and max(size for size, _ in sizes) == 2
+    per_length = [sum(size for size, l in sizes if l == length) for length in range(1, 7)]
+    assert max(per_length) - min(per_length) <= 1
+
+
+class AnswerWriter(torch.nn.Module):
+    """Stands in for a model in generate(): writes each test row's true answer, with Box A's
+    contents changed (emptied, or given a cup) in the rows it is told to spoil."""
+
+    def __init__(self, task, spoiled_rows=()):
+        super().__init__()
+        self.config = GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size)
+        self.rows, self.spoiled = task.rows["test"].long(), set(spoiled_rows)
+
+    def can_cache(self):
+        return True
+
+    def generate(self, idx, max_new_tokens, temperature, stop_token, prompt_lengths, use_cache=True):
+        out = torch.zeros(idx.size(0), int(prompt_lengths.max()) + max_new_tokens, dtype=torch.long)
+        for r, length in enumerate(prompt_lengths.tolist()):
+            row = next(i for i in range(len(self.rows))
+                       if torch.equal(self.rows[i, :length], idx[r, :length]))
+            answer = self.rows[row, length:].tolist()
+            answer = answer[:answer.index(EOS) + 1]
+            if row in self.spoiled:
+                boxes = parse_answer(decode(answer[:-1]))
+                boxes["A"] = set() if boxes["A"] else {"cup"}
+                answer = encode(render_answer(boxes)) + [EOS]
+            out[r, :length], out[r, length:length + len(answer)] = idx[r, :length], torch.tensor(answer)
+        return out
+
+
+def test_answers_by_generation_are_scored_against_the_simulator(tmp_path, monkeypatch):
+    task = get_task("boxes", n_train=8, n_test=12, cache_dir=str(tmp_path))
+    monkeypatch.setattr(data.Task, "evaluate", lambda *args, **kwargs: {})  # the answers alone
+
+    def evaluate(model):
+        metrics = task.evaluate(model, n_samples=10, batch_size=4, generator=None)
+        return {k: v for k, v in metrics.items() if "exact" in k or "box" in k}
+
+    perfect = evaluate(AnswerWriter(task))
+    assert perfect["eval_exact_match"] == 1 and perfect["eval_box_acc"] == 1
+    spoiled = evaluate(AnswerWriter(task, spoiled_rows=[0, 5]))  # one box of seven wrong in each
+    assert spoiled["eval_exact_match"] == 8 / 10 and spoiled["eval_box_acc"] == 68 / 70
+    assert 0 < min(spoiled["eval_box_acc_by_depth"].values()) < 1

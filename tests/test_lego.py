@@ -1,10 +1,14 @@
 """LEGO: the task's labels against a resolver written apart, and LEGO attention against its
 definitions (maps built by explicit loops, causality, a GPT that trains with it)."""
 
+import contextlib
+
 import pytest
 import torch
 
-from attention import ATTENTIONS
+import train
+
+from attention import ATTENTIONS, mimicking_loss, mimicking_targets
 from data import LEGO, get_task
 from model import GPT, GPTConfig
 
@@ -289,3 +293,36 @@ def test_a_bidirectional_gpt_with_lego_v1_trains_on_lego_and_shows_its_maps():
     assert len(maps) == 2
     assert all(m.shape == (16, 3 + 2, task.block_size, task.block_size) for m in maps)
     torch.testing.assert_close(maps[0][:, :3].sum(-1), torch.ones(16, 3, task.block_size))
+
+
+@pytest.mark.parametrize("causal", [False, True])  # a causal map is 0 on the future: no NaN from log 0
+def test_mimicking_lowers_the_mimicking_loss(causal):
+    torch.manual_seed(0)
+    task = get_task("lego", n_vars=4)  # unlabelled LEGO sentences, as in the paper
+    config = GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_layer=2,
+                             n_head=2, n_embd=32, attn="standard", causal=causal)
+    model = GPT(config)
+    args = train.build_parser().parse_args(["--mimic_iters", "40", "--lr", "3e-3", "--no-progress",
+                                            "--batch_size", "16"])
+    x, _ = task.sample(16, torch.Generator().manual_seed(1))
+    loss = lambda: mimicking_loss(model.attention_maps(x), x, causal).item()
+    before = loss()
+    train.mimic(model, task, args, torch.Generator().manual_seed(0), "cpu", contextlib.nullcontext())
+    assert loss() < 0.5 * before
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_mimicking_targets_follow_their_definitions():
+    tokens = torch.tensor([[5, 7, 5, 9, 7, 5]])
+    manipulation, association = mimicking_targets(tokens, causal=False)
+    raw = torch.zeros(6, 6)
+    for i in range(6):
+        for j in range(6):
+            raw[i, j] = {0: 4, 1: 2, 2: 1}.get(abs(i - j), 0)
+    expected = (raw + 1e-3) / (raw + 1e-3).sum(dim=1, keepdim=True)
+    torch.testing.assert_close(manipulation[0], expected)
+    equal = torch.tensor([[float(a == b and i != j) for j, b in enumerate(tokens[0])]
+                          for i, a in enumerate(tokens[0])])
+    torch.testing.assert_close(association[0], (equal + 1e-3) / (equal + 1e-3).sum(1, keepdim=True))
+    _, causal_association = mimicking_targets(tokens, causal=True)
+    assert (causal_association[0].triu(1) == 0).all()

@@ -1,13 +1,28 @@
-"""Every lesson notebook runs top to bottom at the smoke scale (tiny runs, seconds on a CPU)."""
+"""The lessons: every notebook runs top to bottom at the smoke scale (tiny runs, seconds on a
+CPU), and their helper module, lessons/common.py, trains many runs as one would one by one."""
 
 import glob
+import json
+import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 
+import train
+
 LESSONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons")
+sys.path.insert(0, LESSONS)
+import common  # noqa: E402
+
+TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
+        "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(LESSONS, "*.ipynb"))),
@@ -21,3 +36,82 @@ def test_lesson_executes_at_smoke_scale(path, monkeypatch):
     errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
               if output.get("output_type") == "error"]
     assert not errors
+
+
+def test_max_avg_reports_the_length_score_where_a_task_has_one():
+    runs = [{"final": {"eval_acc": 0.9, "length_score": 0.5}},
+            {"final": {"eval_acc": 0.8, "length_score": 0.7}}]
+    assert common.max_avg(runs) == (0.7, pytest.approx(0.6), [0.5, 0.7])
+    assert common.max_avg([{"final": {"eval_acc": 0.25}}]) == (0.25, 0.25, [0.25])
+
+
+def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_path):
+    # Each spawned worker gets one CPU thread; so does the sequential reference, so that both
+    # sum in the same order and must agree to the last digit.
+    flags = TINY + ["--max_iters", "6", "--eval_interval", "3"]
+    argvs = [flags + ["--seed", str(seed), "--out_dir", str(tmp_path / "parallel" / str(seed))]
+             for seed in (0, 1)]
+    parallel = common.train_many(argvs, jobs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_by_one = common.train_many([argv[:-1] + [str(tmp_path / f"seq{i}")]
+                                       for i, argv in enumerate(argvs)])
+    finally:
+        torch.set_num_threads(threads)
+    def untimed(runs):
+        return [[{k: v for k, v in m.items() if k != "train_time"} for m in r["metrics"]]
+                for r in runs]
+    assert untimed(parallel) == untimed(one_by_one)
+    assert parallel[0]["final"]["eval_loss"] != parallel[1]["final"]["eval_loss"]  # two seeds
+    assert "step 6:" in (tmp_path / "parallel" / "0" / "log.txt").read_text()
+
+
+def test_train_many_takes_saved_runs_as_they_are_only_when_asked(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "4", "--eval_interval", "2"]
+    finished = flags + ["--out_dir", str(tmp_path / "finished")]
+    stopped = flags + ["--out_dir", str(tmp_path / "stopped")]
+    first = train.main(finished)
+    train.main(stopped + ["--max_iters", "2"])  # the last of a repeated flag wins
+    saved = json.loads((tmp_path / "stopped" / "metrics.jsonl").read_text())
+    again, resumed = common.train_many([finished, stopped], resume_saved=True)
+    assert again["final"] == first["final"]  # train_time included: it did not train again
+    assert [m["step"] for m in resumed["metrics"]] == [2, 4] and resumed["metrics"][0] == saved
+    capsys.readouterr()
+    common.train_many([finished], resume_saved=False)  # every run starts over
+    assert "holds an earlier run" in capsys.readouterr().out
+
+
+def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path):
+    # The pool hands a few runs to its workers ahead of time, and those cannot be called back;
+    # runs of a second each make sure the failure is seen long before the last ones come up.
+    runs = [("bad", ["--eval_interval", "0"])] + [(f"queued{i}", []) for i in range(8)]
+    argvs = [TINY + ["--max_iters", "150", "--out_dir", str(tmp_path / name)] + extra
+             for name, extra in runs]
+    with pytest.raises(SystemExit, match="bad"):
+        common.train_many(argvs, jobs=2)
+    assert "--eval_interval" in (tmp_path / "bad" / "log.txt").read_text()
+    assert not (tmp_path / "queued7").exists()
+
+
+def test_a_killed_parallel_run_is_named_as_killed(tmp_path):
+    # A worker killed from outside (the kernel's out-of-memory killer, say) leaves no error
+    # behind, only a broken pool: the message must say what most likely happened.
+    argvs = [TINY + ["--max_iters", "1000000", "--out_dir", str(tmp_path / f"run{k}")]
+             for k in range(2)]
+    raised = []
+    def train_both():
+        try:
+            common.train_many(argvs, jobs=2)
+        except SystemExit as error:
+            raised.append(str(error))
+    caller = threading.Thread(target=train_both)
+    caller.start()
+    deadline = time.time() + 120
+    while not all((tmp_path / f"run{k}" / "log.txt").exists() for k in range(2)):
+        assert time.time() < deadline, "the workers never started"
+        time.sleep(0.1)
+    for worker in multiprocessing.active_children():
+        os.kill(worker.pid, signal.SIGKILL)
+    caller.join(timeout=120)
+    assert raised and "died without an error" in raised[0] and "fewer at a time" in raised[0]

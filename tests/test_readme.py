@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import data
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,12 +31,14 @@ def readme_commands(script):
 
 
 def test_the_readme_has_commands_to_check():
-    assert len(readme_commands("train.py")) >= 15 and readme_commands("sample.py")
+    assert len(readme_commands("train.py")) >= 8 and readme_commands("sample.py")
 
 
 @pytest.mark.parametrize("argv", readme_commands("train.py"), ids=" ".join)
 def test_readme_train_commands_pass_the_start_up_checks(argv, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the boxes command writes its small dataset to ./data_cache
+    monkeypatch.chdir(tmp_path)  # the boxes commands write their dataset to ./data_cache...
+    generate = data.Boxes._generate  # ...of which a few examples are enough to check the flags
+    monkeypatch.setattr(data.Boxes, "_generate", lambda self, n, *rest: generate(self, min(n, 8), *rest))
     if "--resume" in argv:  # it continues a run: the flags alone can be checked
         train.build_parser().parse_args(argv)
     else:

@@ -1,0 +1,94 @@
+"""
+What the lesson notebooks share: their set-up, and running many trainings for a table.
+
+    from common import SCALE, REUSE, DEVICE, train_many, max_avg
+
+SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
+laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
+NANOCHACAL_REUSE=1 continues the runs an interruption stopped and takes finished ones as they are.
+"""
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the scripts
+
+import torch  # noqa: E402
+
+import train  # noqa: E402
+
+SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE_NAME = torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({os.cpu_count()} cores)"
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
+
+
+def describe_setup():
+    """The line every lesson prints first: scale, device, torch."""
+    return (f"scale {SCALE}{', reusing saved runs' if REUSE else ''}, device {DEVICE_NAME}, "
+            f"torch {torch.__version__}")
+
+
+def train_many(argvs, jobs=1, resume_saved=REUSE):
+    """train.main(argv) for every argument list, `jobs` at a time; the summaries, in order.
+
+    A small model's training step is mostly Python launching kernels, so one run leaves a GPU
+    (or a many-core CPU) mostly idle; runs in separate processes overlap that work. Each process
+    is spawned (a forked one cannot use CUDA), gets its share of the CPU threads, and writes
+    what it would print to out_dir/log.txt; the summary lines are printed here.
+
+    resume_saved: a run whose out_dir holds a checkpoint gets --resume, so a lesson executed
+    again continues the runs an interruption stopped and takes the finished ones as they are.
+    """
+    parser = train.build_parser()
+    out_dirs = [parser.parse_known_args(argv)[0].out_dir for argv in argvs]
+    if resume_saved:
+        argvs = [list(argv) + ["--resume"] * os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+                 for argv, out_dir in zip(argvs, out_dirs)]
+    if jobs == 1:
+        return [train.main(argv) for argv in argvs]
+    context = multiprocessing.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    logs = [os.path.join(out_dir, "log.txt") for out_dir in out_dirs]
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        running = {pool.submit(main_logged, argv, log, threads): log for argv, log in zip(argvs, logs)}
+        try:
+            # One line per finished run is the progress report: a bar would interleave with them.
+            for count, finished in enumerate(concurrent.futures.as_completed(running), start=1):
+                try:
+                    line = finished.result()["line"]
+                except concurrent.futures.BrokenExecutor:  # the worker was killed, not failed
+                    raise SystemExit(f"a worker process died without an error (most often killed "
+                                     f"for lack of memory: run fewer at a time); what the run "
+                                     f"printed is in {running[finished]}")
+                except BaseException as error:  # SystemExit too: its message went to the log
+                    raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
+                                     f"output is in {running[finished]}")
+                print(f"[{count}/{len(running)} runs, {jobs} at a time, "
+                      f"{time.perf_counter() - started:.0f} s] {line}", flush=True)
+        except BaseException:  # a failed run or Ctrl-C: runs not yet started never start
+            pool.shutdown(cancel_futures=True)
+            raise
+        return [run.result() for run in running]
+
+
+def main_logged(argv, log, threads):
+    """train.main(argv) in a worker of train_many: `threads` CPU threads, output to `log`."""
+    torch.set_num_threads(threads)
+    os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
+    with open(log, "w") as file, contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
+        return train.main(list(argv) + ["--no-progress"])
+
+
+def max_avg(summaries, key=None):
+    """(Max, Avg, scores) over runs of several seeds, as the RegularGPT paper reports them: of
+    the score on the test lengths where the task has one (length_score), else test accuracy."""
+    key = key or ("length_score" if "length_score" in summaries[0]["final"] else "eval_acc")
+    scores = [summary["final"][key] for summary in summaries]
+    return max(scores), sum(scores) / len(scores), scores
