@@ -2,9 +2,11 @@
 A GPT-2 style transformer whose attention is chosen per layer (standard, ChaCAL, ...).
 
 Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP,
-as GPT-2 and nanoGPT; parameter names follow GPT-2's. Post-LayerNorm
-blocks (the original Transformer's, BERT's and RegularGPT's) are one option away. The model knows
-nothing about tasks: it maps token ids to logits, and ignores targets equal to -1 in the loss.
+as GPT-2 and nanoGPT; parameter names follow GPT-2, so GPT.from_pretrained("gpt2") loads its
+weights by name, with ChaCAL swapped in if asked (the ChaCAL paper's Section 5.3; it needs the
+optional `pip install transformers`). Post-LayerNorm blocks (the original Transformer's, BERT's
+and RegularGPT's) are one option away. The model knows nothing about tasks: it maps token ids to
+logits, and ignores targets equal to -1 in the loss.
 
 Three options from the papers, each usable with any attention:
 - weight sharing (ALBERT; RegularGPT): `thickness` distinct blocks, reused at every depth;
@@ -46,6 +48,8 @@ class GPTConfig:
     min_train_layers: int = 0     # stochastic depth: if > 0, each training batch runs a depth
                                   # drawn uniformly in min_train_layers..n_layer; tests n_layer
     broadcast_ids: tuple = ()     # LEGO attention: token ids every token reads ([CLS], [SEP])
+    gelu_approximate: str = "none"  # the MLP's GELU: "none" (exact, erf), or "tanh", the
+                                    # approximation GPT-2 was trained with (`gelu_new`)
 
     def __post_init__(self):
         # Fail here, at construction, with the flag's name, rather than deep inside a forward.
@@ -69,6 +73,9 @@ class GPTConfig:
             raise ValueError(f"--pos {self.pos!r}: choose learned or none")
         if self.norm not in ("pre", "post"):
             raise ValueError(f"--norm {self.norm!r}: choose pre or post")
+        if self.gelu_approximate not in ("none", "tanh"):
+            raise ValueError(f"gelu_approximate {self.gelu_approximate!r}: choose none (exact "
+                             f"GELU) or tanh (GPT-2's gelu_new)")
         if self.chunk < 2:
             raise ValueError(f"--chunk {self.chunk} must be at least 2: a chunk of 1 never looks "
                              f"past the token itself")
@@ -123,7 +130,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU(approximate=config.gelu_approximate)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -264,6 +271,81 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
                                    ignore_index=-1)
         return logits, loss
+
+    # Settings a GPT-2 checkpoint fixes: its weights' shapes and meaning depend on them.
+    PRETRAINED_FIXED = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias", "pos",
+                        "norm", "share_weights", "thickness", "adaptive_depth", "min_train_layers")
+
+    @classmethod
+    def from_pretrained(cls, model, **overrides):
+        """A GPT with the weights of a GPT-2: `model` is a name ("gpt2", "gpt2-medium", ...,
+        downloaded by transformers) or a transformers GPT2LMHeadModel already built.
+
+        overrides change what needs no new weights, e.g. attn="chacal", gamma=0.9 (the ChaCAL
+        paper's Section 5.3 swaps ChaCAL into GPT-2, then fine-tunes); dropout is 0 unless given.
+        Attention is GPT-2's standard one unless overridden, and the result computes GPT-2's
+        logits (so does ChaCAL at γ = 0). transformers is needed only here:
+        `pip install transformers`.
+        """
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError("GPT.from_pretrained needs transformers: pip install transformers"
+                              ) from None
+        if isinstance(model, str):
+            model = transformers.GPT2LMHeadModel.from_pretrained(model)
+        if not isinstance(model, transformers.GPT2LMHeadModel):
+            raise TypeError(f"GPT.from_pretrained: expected a model name or a GPT2LMHeadModel, "
+                            f"got {type(model).__name__}")
+        hf = model.config
+        # GPT-2's MLP uses gelu_new, GELU's tanh approximation; our exact GELU would move the
+        # logits by ~1e-4, so a loaded model switches its GELU (other models keep the exact one).
+        gelu = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+        unsupported = [f"{name}={value!r}" for name, value, ok in [
+            ("activation_function", hf.activation_function, hf.activation_function in gelu),
+            ("layer_norm_epsilon", hf.layer_norm_epsilon, hf.layer_norm_epsilon == 1e-5),
+            ("n_inner", hf.n_inner, hf.n_inner in (None, 4 * hf.n_embd)),
+            ("scale_attn_weights", hf.scale_attn_weights, hf.scale_attn_weights),
+            ("scale_attn_by_inverse_layer_idx", hf.scale_attn_by_inverse_layer_idx,
+             not hf.scale_attn_by_inverse_layer_idx)] if not ok]
+        if unsupported:
+            raise ValueError(f"GPT.from_pretrained: this GPT-2 has {unsupported[0]}, which our "
+                             f"GPT does not build")
+        settings = dict(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
+                        n_head=hf.n_head, n_embd=hf.n_embd, bias=True, pos="learned", norm="pre",
+                        dropout=0.0, attn="standard", gelu_approximate=gelu[hf.activation_function])
+        gpt2 = GPTConfig(**settings)
+        for name, value in overrides.items():
+            if not hasattr(gpt2, name):
+                raise ValueError(f"GPT.from_pretrained: unknown override {name}={value!r}")
+            if name in cls.PRETRAINED_FIXED and value != getattr(gpt2, name):
+                raise ValueError(f"GPT.from_pretrained: override {name}={value!r} would change "
+                                 f"GPT-2's weights ({name} is {getattr(gpt2, name)!r} there)")
+        ours = cls(GPTConfig(**{**settings, **overrides}))
+
+        # HF's Conv1D stores (in, out) where nn.Linear stores (out, in); attn.bias and
+        # attn.masked_bias are causal-mask buffers (older transformers), not weights.
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                      "mlp.c_proj.weight")
+        theirs = {name: w for name, w in model.state_dict().items()
+                  if not name.endswith((".attn.bias", ".attn.masked_bias"))}
+        if not torch.equal(theirs.pop("lm_head.weight", theirs["transformer.wte.weight"]),
+                           theirs["transformer.wte.weight"]):
+            raise ValueError("GPT.from_pretrained: this GPT-2's lm_head is not tied to wte; ours is")
+        params = dict(ours.named_parameters())  # the tied lm_head.weight appears once, as wte's
+        asked = ", ".join(f"{name}={value!r}" for name, value in overrides.items())
+        if set(params) != set(theirs):
+            extra = sorted(set(params) ^ set(theirs))[0]
+            raise ValueError(f"GPT.from_pretrained: override {asked} changes the weights ({extra} "
+                             f"is in one model only); use one that needs none, e.g. attn='chacal'")
+        with torch.no_grad():
+            for name, w in theirs.items():
+                w = w.t() if name.endswith(transposed) else w
+                if params[name].shape != w.shape:
+                    raise ValueError(f"GPT.from_pretrained: override {asked} changes the shape "
+                                     f"of {name}; use one that needs no new weights")
+                params[name].copy_(w)
+        return ours
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,

@@ -1,0 +1,104 @@
+"""GPT.from_pretrained against transformers' own GPT-2, on a tiny random one built here (no
+download): the same logits, with standard attention and with ChaCAL at γ = 0."""
+
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="GPT.from_pretrained is optional: pip install transformers")
+
+from model import GPT  # noqa: E402  (after the skip: model.py itself does not need transformers)
+
+VOCAB = 100
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """A random GPT-2 of 2 layers, 2 heads, width 32, in eval mode (its dropout off)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64,
+                                     vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).float().eval()
+    with torch.no_grad():  # GPT-2 starts its LayerNorms at (1, 0) and biases at 0: perturb
+        for p in model.parameters():  # them, so that a weight loaded wrongly shows in the logits
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+
+
+def their_logits(gpt2, ids):
+    with torch.no_grad():
+        return gpt2(ids).logits
+
+
+def our_logits(model, ids):
+    with torch.no_grad():
+        return model.eval()(ids)[0]
+
+
+def test_loaded_gpt2_gives_the_same_logits(gpt2, ids):
+    model = GPT.from_pretrained(gpt2)
+    assert model.config.attn == "standard" and model.config.gelu_approximate == "tanh"
+    assert (our_logits(model, ids) - their_logits(gpt2, ids)).abs().max() < 1e-5
+
+
+def test_chacal_at_gamma_0_gives_the_same_logits(gpt2, ids):
+    model = GPT.from_pretrained(gpt2, attn="chacal", gamma=0.0)
+    assert type(model.transformer.h[0].attn).__name__ == "ChaCALAttention"
+    assert (our_logits(model, ids) - their_logits(gpt2, ids)).abs().max() < 1e-5
+
+
+def test_chacal_at_gamma_09_changes_the_logits(gpt2, ids):
+    logits = our_logits(GPT.from_pretrained(gpt2, attn="chacal", gamma=0.9), ids)
+    assert torch.isfinite(logits).all()
+    assert (logits - their_logits(gpt2, ids)).abs().max() > 1e-2
+
+
+def test_exact_gelu_would_not_match(gpt2, ids):
+    # Why gelu_approximate exists: GPT-2 was trained with GELU's tanh approximation.
+    model = GPT.from_pretrained(gpt2, gelu_approximate="none")
+    assert (our_logits(model, ids) - their_logits(gpt2, ids)).abs().max() > 1e-5
+
+
+@pytest.mark.parametrize("override, named", [
+    (dict(n_embd=64), "n_embd=64"),
+    (dict(block_size=128), "block_size=128"),
+    (dict(n_head=4), "n_head=4"),
+    (dict(attn="dilated"), "attn='dilated'"),
+    (dict(attn="lego_v1"), "attn='lego_v1'"),
+    (dict(depth=3), "depth=3"),
+])
+def test_an_override_that_changes_the_weights_fails_in_one_line(gpt2, override, named):
+    with pytest.raises(ValueError) as error:
+        GPT.from_pretrained(gpt2, **override)
+    message = str(error.value)
+    assert named in message and "\n" not in message
+
+
+def test_loaded_model_decodes_the_same_with_and_without_cache(gpt2):
+    for attn in ["standard", "chacal"]:
+        model = GPT.from_pretrained(gpt2, attn=attn).eval()
+        prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+        cached = model.generate(prompt, 20, temperature=0)
+        uncached = model.generate(prompt, 20, temperature=0, use_cache=False)
+        assert torch.equal(cached, uncached)
+
+
+def test_a_gpt2_our_gpt_cannot_build_fails_in_one_line():
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=16,
+                                     vocab_size=VOCAB, layer_norm_epsilon=1e-6,
+                                     bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match=r"^[^\n]*layer_norm_epsilon=1e-06[^\n]*$"):
+        GPT.from_pretrained(transformers.GPT2LMHeadModel(config))
+
+
+def test_without_transformers_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now fails
+    with pytest.raises(ImportError, match=r"^[^\n]*pip install transformers$"):
+        GPT.from_pretrained("gpt2")
