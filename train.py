@@ -269,8 +269,8 @@ def load_checkpoint(out_dir, flag="--resume", needs=("optimizer", "metrics", "rn
     checkpoint holds tensors, numbers and strings only, so loading one runs no code."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
-        raise ValueError(f"{flag}: no checkpoint at {path}; train one first (without --resume), "
-                         f"or point --out_dir at a run")
+        raise ValueError(f"{flag}: no checkpoint at {path}; train a run there first, or point "
+                         f"--out_dir at one")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         assert {"model", "config", "args", "step", *needs} <= checkpoint.keys()
