@@ -227,6 +227,46 @@ class ChaCALAttention(CausalSelfAttention):
         return y
 
 
+def chacal_keep_diagonal(q, k, v, gamma, past_k=None, past_mixed=None, causal=True):
+    """The ablation of lesson 01: Y = (1-γ)·(I - γA)⁻¹·A·V, the diagonal kept in the inverse.
+
+    Row t then reads y_t = Σ_{i<t} A_ti m_i + (1-γ)A_tt v_t + γA_tt y_t, so the solve divides by
+    1 - γA_tt: a token's own weight is amplified by 1/(1 - γA_tt), the sum of its self-loops
+    t -> t -> t ... that ChaCAL leaves out (paper, Section 4.1). The same mixed values enter from a
+    cache; the solve, lower-triangular but not unit, runs even for one new token. Shapes as
+    chacal_attention's."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        values = (1 - gamma) * v
+        if past_k is not None:
+            k = torch.cat([past_k.to(dtype), k], dim=-2)           # (B, nh, Tp+Tq, hs)
+            values = torch.cat([past_mixed.to(dtype), values], dim=-2)
+        A = attention_weights(q, k, causal)                        # (B, nh, Tq, Tp+Tq)
+        n_new = q.size(-2)
+        system = torch.eye(n_new, dtype=dtype, device=q.device) - gamma * A[..., -n_new:]
+        if not causal:
+            return torch.linalg.solve(system, A @ values)
+        return torch.linalg.solve_triangular(system, A @ values, upper=False)
+
+
+class ChaCALKeepDiagonal(ChaCALAttention):
+    """ChaCAL with the diagonal kept inside the inverse, Y = (1-γ)·(I - γA)⁻¹·A·V: an ablation the
+    ChaCAL paper motivates (Section 4.1: self-loops carry nothing about the chain) but does not
+    run. Lesson 01 trains it beside ChaCAL. See `chacal_keep_diagonal`."""
+
+    def attention_map(self, q, k, token_ids, depth):
+        eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
+        return chacal_keep_diagonal(q, k, eye, self.gamma, causal=self.causal)
+
+    def mix(self, q, k, v, cache, depth):
+        if cache is None:
+            return chacal_keep_diagonal(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
+        y = chacal_keep_diagonal(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
+        cache.append(k, (1 - self.gamma) * v + self.gamma * y)
+        return y
+
+
 class SlidingDilatedAttention(CausalSelfAttention):
     """Sliding-Dilated-Attention, the attention of RegularGPT (Chi et al. 2023, Section 4, Eq. 1).
 
@@ -495,6 +535,7 @@ def mimicking_loss(maps_per_layer, token_ids, causal):
 ATTENTIONS = {
     "standard": CausalSelfAttention,
     "chacal": ChaCALAttention,
+    "chacal_diagonal": ChaCALKeepDiagonal,
     "dilated": SlidingDilatedAttention,
     "lego_v0": LEGOAttention,
     "lego_v1": LEGOAttentionV1,

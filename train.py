@@ -412,10 +412,10 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
 def summarize(args, config, n_params, metrics):
     """The run's last record, its history, and one line that says how it went."""
     final = metrics[-1]
-    first_99 = next((f"step {m['step']} ({m['train_time']:.0f} s)" for m in metrics
+    first_99 = next((f"at step {m['step']} ({m['train_time']:.0f} s)" for m in metrics
                      if m["eval_acc"] >= 0.99), "never")
     line = (f"done: {args.task}, {config.describe()}, {final['step']} steps in "
-            f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); first >= 99% at "
+            f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); accuracy >= 99% "
             f"{first_99}; {describe_metrics(final)}; metrics in {args.out_dir}/metrics.jsonl")
     return {"line": line, "final": final, "metrics": metrics, "n_params": n_params,
             "device": args.device, "dtype": args.dtype, "args": vars(args)}

@@ -1,7 +1,7 @@
 """
 What the lesson notebooks share: their set-up, and running many trainings for a table.
 
-    from common import SCALE, REUSE, DEVICE, train_many, max_avg
+    from common import SCALE, REUSE, DEVICE, train_many, max_avg, TOY_TABLE, toy_table_flags, blind_guess
 
 SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
 laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
@@ -20,12 +20,43 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import train  # noqa: E402
+from data import task_from_settings  # noqa: E402
 
 SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICE_NAME = torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({os.cpu_count()} cores)"
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
+
+
+# The paper's toy task (16 blocks of 8: chains of 15 hops), trained with one set of flags for every
+# model of Table 1, so that lessons 00 and 01 share their standard runs (saved under out/toy/).
+# cpu: train.py's defaults, with which one ChaCAL layer passes 99.9% by step 800 on a laptop CPU.
+# gpu: the ChaCAL paper's Table 4 (d 512, 8 heads, lr 3e-4, batch 128, warmup 8k of 24k steps).
+TOY_TABLE = {
+    "smoke": dict(seeds=[0], layers=[1, 2], flags="--n_blocks 4 --block_len 4 --n_embd 32 "
+                  "--n_head 2 --batch_size 8 --max_iters 4 --eval_interval 2 --eval_samples 16"),
+    "cpu": dict(seeds=[0, 1], layers=[1, 2, 3], flags="--max_iters 1000 --eval_interval 100"),
+    "gpu": dict(seeds=[0, 1, 2, 3], layers=[1, 2, 3, 4, 5],
+                flags="--n_embd 512 --n_head 8 --batch_size 128 --lr 3e-4 --warmup_iters 8000 "
+                      "--max_iters 24000 --eval_interval 500 --eval_samples 2048"),
+}[SCALE]
+
+
+def toy_table_flags(attn, n_layer, seed):
+    """train.py's flags for one model of the toy task's Table 1."""
+    return (f"--task toy --attn {attn} --n_layer {n_layer} {TOY_TABLE['flags']} --seed {seed} "
+            f"--no-progress --out_dir {OUT}/toy/{attn}_L{n_layer}_seed{seed}").split()
+
+
+def blind_guess(settings, n=4096):
+    """The toy task's score without following a pointer: bet on block 0's most repeated value
+    (values are drawn independently, so one often repeats), measured on n fresh sequences of the
+    task a run's settings describe."""
+    toy = task_from_settings(settings)
+    block0 = toy.sample(n, torch.Generator().manual_seed(1))[0][:, :toy.block_len]
+    repeats = (block0[:, :, None] == block0[:, None, :]).sum(-1).max(-1).values
+    return repeats.float().mean().item() / toy.block_len
 
 
 def describe_setup():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attention import (ATTENTIONS, attention_weights, chacal_attention,
+from attention import (ATTENTIONS, attention_weights, chacal_attention, chacal_keep_diagonal,
                        standard_attention)
 from model import GPTConfig
 
@@ -268,3 +268,19 @@ def test_attention_map_times_values_is_the_output(name, causal):
         expected = expected + (1 - weights.sum(dim=-1, keepdim=True)) * pad_value
         assert (weights.sum(dim=-1) < 1 - 1e-6).any()
     torch.testing.assert_close(expected, attn.mix(q, k, v, None, 2))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chacal_keeping_the_diagonal_equals_its_explicit_inverse(causal):
+    q, k, v = random_qkv()
+    gamma = 0.9
+    A = explicit_softmax_attention(q, k) if causal else (q @ k.transpose(-2, -1) / 2).softmax(-1)
+    eye = torch.eye(A.size(-1), dtype=A.dtype)
+    expected = (1 - gamma) * torch.linalg.inv(eye - gamma * A) @ A @ v
+    torch.testing.assert_close(chacal_keep_diagonal(q, k, v, gamma, causal=causal), expected)
+    # Its own weight amplified by 1/(1 - γA_tt): the diagonal of the map against ChaCAL's.
+    eye_values = eye.expand_as(A)
+    ratio = (chacal_keep_diagonal(q, k, eye_values, gamma).diagonal(dim1=-2, dim2=-1)
+             / chacal_attention(q, k, eye_values, gamma).diagonal(dim1=-2, dim2=-1))
+    if causal:
+        torch.testing.assert_close(ratio, 1 / (1 - gamma * A.diagonal(dim1=-2, dim2=-1)))

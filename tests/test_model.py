@@ -5,7 +5,7 @@ import torch
 
 from model import GPT, GPTConfig, adaptive_levels
 
-ATTENTION_STACKS = ["standard", "chacal", "standard,chacal", "dilated,chacal,dilated"]
+ATTENTION_STACKS = ["standard", "chacal", "standard,chacal", "dilated,chacal,dilated", "chacal_diagonal"]
 
 
 def small_model(attn, seed=0, **overrides):
