@@ -186,16 +186,16 @@ def parse_args(argv=None):
                 raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
                                  f"({', '.join(changed)}); drop those flags to continue it")
         args.device = pick_device(args.device)
-        os.makedirs(args.out_dir, exist_ok=True)  # writable? Found now rather than at step 100
-        tempfile.TemporaryFile(dir=args.out_dir).close()
     except ValueError as error:
         parser.error(str(error))
+    try:  # a directory this process can write to? Found now rather than at step 100
+        os.makedirs(args.out_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out_dir).close()
     except OSError as error:
         parser.error(f"--out_dir {args.out_dir}: cannot write there ({error.strerror}); pick "
                      f"another directory")
-    if args.dtype == "auto":
-        bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
-        args.dtype = "bfloat16" if bf16 else "float32"
+    if args.dtype == "auto":  # bfloat16 on GPUs that support it
+        args.dtype = "bfloat16" if args.device == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     return args, task, config, checkpoint
 
 
