@@ -4,9 +4,11 @@ The attention variants of nanoChaCAL, each a small class with the same `forward`
 Shapes: B batch, T tokens, C = n_embd channels, nh heads, hs = C / nh head size.
 Every variant maps x (B, T, C) to (B, T, C) and is called as
 
-    attn(x, cache=None, token_ids=None, depth=0)
+    attn(x, cache=None, token_ids=None, depth=0, groups=None)
 
 - `cache` is a LayerCache when decoding token by token (see GPT.generate), else None.
+- `groups` (B, T) are the attention groups of the inductive scratchpad (scratchpad.py), or None
+  for the ordinary causal mask. Standard attention and ChaCAL honour them; the others refuse them.
 - `token_ids` (B, T) and `depth` (the index of the layer in the stack) are passed to every variant
   so that variants which need them (LEGO attention reads token ids, Sliding-Dilated-Attention
   picks its dilation from the depth) fit the same call. Standard attention and ChaCAL ignore them.
@@ -34,22 +36,40 @@ def causal_visibility(n_queries, n_keys, device):
     return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(n_keys - n_queries)
 
 
-def attention_weights(q, k, causal=True):
-    """A = softmax(q kᵀ / √hs + M), M = -inf above the causal diagonal (none if not causal).
+def group_visibility(query_groups, key_groups):
+    """The inductive scratchpad's mask (Abbe et al. 2024, Appendix C), (B, 1, Tq, Tk) boolean:
+
+        visible[i, j] = causal(i, j) and (group_j == group_i or group_j == 0)
+
+    A token sees the earlier tokens of its own group and the question (group 0), nothing else.
+    query_groups (B, Tq) are the last Tq of key_groups (B, Tk), as in causal_visibility. Group 0
+    is a prefix, so its own rows are plain causal rows, and every row sees at least itself.
+    """
+    causal = causal_visibility(query_groups.size(1), key_groups.size(1), query_groups.device)
+    keys = key_groups[:, None, :]                                       # (B, 1, Tk)
+    same = (query_groups[:, :, None] == keys) | (keys == 0)             # (B, Tq, Tk)
+    return (causal & same)[:, None]                                     # (B, 1, Tq, Tk)
+
+
+def attention_weights(q, k, causal=True, visible=None):
+    """A = softmax(q kᵀ / √hs + M), M = -inf above the causal diagonal (none if not causal), or
+    -inf wherever `visible` (broadcastable to (B, nh, Tq, Tk), e.g. group_visibility) is False.
     Returns (B, nh, Tq, Tk)."""
     scores = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)  # scaling q is cheaper than T x T
-    if causal:
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    elif causal:
         visible = causal_visibility(q.size(-2), k.size(-2), q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
     return scores.softmax(dim=-1)
 
 
-def standard_attention(q, k, v, causal=True):
+def standard_attention(q, k, v, causal=True, visible=None):
     """Y = A V, the readable path of ordinary attention (ChaCAL paper, Eq. 1-2)."""
-    return attention_weights(q, k, causal) @ v
+    return attention_weights(q, k, causal, visible) @ v
 
 
-def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True):
+def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, visible=None):
     """ChaCAL: Y = (1-γ)·(I - γA')⁻¹·A·V, where A' = A with its diagonal removed.
 
     Computed without any inverse, as the unit lower-triangular system (paper, Eq. 7)
@@ -71,6 +91,10 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True):
     solvable because every row of γA' sums to at most γ < 1, so I - γA' is diagonally dominant.
     The paper names this case as future work; here it is one general solve.
 
+    A mask `visible` (the inductive scratchpad's groups, see group_visibility) only removes
+    entries below the diagonal, so the system stays unit lower-triangular and the same solve
+    applies: the chains then run within a group and through the question, as the groups allow.
+
     q, k, v: (B, nh, Tq, hs) for the new tokens; past_k, past_mixed: (B, nh, Tp, hs) or None.
     The solve runs in float32 even under autocast (CUDA has no half-precision triangular solve,
     and the chain sums benefit from the precision); float64 inputs stay float64. Returns Y
@@ -85,7 +109,7 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True):
         if past_k is not None:
             k = torch.cat([past_k.to(dtype), k], dim=-2)           # (B, nh, Tp+Tq, hs)
             values = torch.cat([past_mixed.to(dtype), values], dim=-2)
-        A = attention_weights(q, k, causal)                        # (B, nh, Tq, Tp+Tq)
+        A = attention_weights(q, k, causal, visible)               # (B, nh, Tq, Tp+Tq)
         rhs = A @ values                                           # (B, nh, Tq, hs)
         if not causal:
             if past_k is not None:
@@ -107,26 +131,40 @@ class LayerCache:
     """Keys and values of every token a layer has seen so far, appended as decoding goes.
 
     Standard attention stores its values v_i; ChaCAL stores its mixed values m_i instead, so both
-    keep one (key, value) pair per token and decode at the same cost.
+    keep one (key, value) pair per token and decode at the same cost. Under the inductive
+    scratchpad's masks it also keeps each token's group, and forgets a state's tokens once no
+    query can see them any more (scratchpad.generate_inductive).
     """
 
     def __init__(self):
         self.keys = None    # (B, nh, T_seen, hs)
         self.values = None  # (B, nh, T_seen, hs)
+        self.groups = None  # (B, T_seen), or None without groups
 
     def __len__(self):
         return 0 if self.keys is None else self.keys.size(-2)
 
-    def append(self, k, v):
+    def append(self, k, v, groups=None):
         if self.keys is None:
-            self.keys, self.values = k, v
+            self.keys, self.values, self.groups = k, v, groups
         else:
             self.keys = torch.cat([self.keys, k], dim=-2)
             self.values = torch.cat([self.values, v], dim=-2)
+            if groups is not None:
+                self.groups = torch.cat([self.groups, groups], dim=-1)
+
+    def keep(self, columns):
+        """Keep only the entries at `columns` (a (T_seen,) boolean): the rest are forgotten."""
+        self.keys, self.values = self.keys[..., columns, :], self.values[..., columns, :]
+        self.groups = self.groups[:, columns]
 
 
 # -----------------------------------------------------------------------------
 # The modules.
+
+NO_GROUPS = ("--attn {attn} has no inductive-scratchpad groups (--scratchpad inductive); use "
+             "--attn standard or chacal")
+
 
 class CausalSelfAttention(nn.Module):
     """Standard multi-head self-attention, as in GPT-2.
@@ -162,12 +200,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         return q, k, v
 
-    def forward(self, x, cache=None, token_ids=None, depth=0):
+    def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
         B, T, C = x.size()
         q, k, v = self.queries_keys_values(x)
         if self.maps is not None:
             self.maps.append(self.attention_map(q, k, token_ids, depth))  # (B, nh, T, T)
-        y = self.mix(q, k, v, cache, depth)                               # (B, nh, T, hs)
+        y = self.mix(q, k, v, cache, depth, groups)                       # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                  # heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -175,13 +213,18 @@ class CausalSelfAttention(nn.Module):
         """The weights each query gives each key, (B, nh, T, T), such that Y = map @ V."""
         return attention_weights(q, k, self.causal)
 
-    def mix(self, q, k, v, cache, depth):
+    def mix(self, q, k, v, cache, depth, groups=None):
         """Each head's output from its queries, keys and values: here Y = A V."""
+        visible = None
         if cache is not None:
-            cache.append(k, v)
+            cache.append(k, v, groups)
             k, v = cache.keys, cache.values
+        if groups is not None:
+            visible = group_visibility(groups, groups if cache is None else cache.groups)
         if not self.fused:
-            return standard_attention(q, k, v, self.causal)
+            return standard_attention(q, k, v, self.causal, visible)
+        if visible is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         n_queries, n_keys = q.size(-2), k.size(-2)
         if n_queries == n_keys or not self.causal:
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
@@ -212,17 +255,26 @@ class ChaCALAttention(CausalSelfAttention):
         eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
         return chacal_attention(q, k, eye, self.gamma, causal=self.causal)
 
-    def mix(self, q, k, v, cache, depth):
+    def mix(self, q, k, v, cache, depth, groups=None):
         if cache is None:
-            return chacal_attention(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
+            visible = None if groups is None else group_visibility(groups, groups)
+            return chacal_attention(q, k, v, self.gamma, causal=self.causal,
+                                    visible=visible).to(v.dtype)
+        # With groups, the new tokens see the cached ones their groups allow (key groups: the
+        # cached ones' and their own).
+        visible = None
+        if groups is not None:
+            key_groups = groups if cache.groups is None else torch.cat([cache.groups, groups], 1)
+            visible = group_visibility(groups, key_groups)
         if q.size(-2) > 1:  # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
-            y = chacal_attention(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
-            cache.append(k, (1 - self.gamma) * v + self.gamma * y)
+            y = chacal_attention(q, k, v, self.gamma, cache.keys, cache.values,
+                                 visible=visible).to(v.dtype)
+            cache.append(k, (1 - self.gamma) * v + self.gamma * y, groups)
             return y
         # One new token: its row of the system is plain attention over the cached mixed values
         # and its own (1-γ)v_t, so the fused kernel computes it, at the cost of standard decoding.
-        cache.append(k, (1 - self.gamma) * v)
-        y = F.scaled_dot_product_attention(q, cache.keys, cache.values)
+        cache.append(k, (1 - self.gamma) * v, groups)
+        y = F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=visible)
         cache.values[..., -1:, :] += self.gamma * y  # complete m_t = (1-γ)v_t + γy_t in place
         return y
 
@@ -346,7 +398,9 @@ class SlidingDilatedAttention(CausalSelfAttention):
         """The weights on the tokens, (B, nh, T, T); what a row lacks of 1 went to the pad."""
         return self.padded_map(q, self.pad_in_front(k, 1), depth)[..., 1:]
 
-    def mix(self, q, k, v, cache, depth):
+    def mix(self, q, k, v, cache, depth, groups=None):
+        if groups is not None:
+            raise ValueError(NO_GROUPS.format(attn="dilated"))
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
@@ -452,7 +506,9 @@ class LEGOAttention(CausalSelfAttention):
             return maps
         return torch.cat([maps.to(q.dtype), attention_weights(q, k, self.causal)], dim=1)
 
-    def forward(self, x, cache=None, token_ids=None, depth=0):
+    def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
+        if groups is not None:
+            raise ValueError(NO_GROUPS.format(attn="lego_v0/lego_v1"))
         if cache is not None:
             raise ValueError("--attn lego_v0/lego_v1 keep no decoding cache; generate with "
                              "use_cache=False")

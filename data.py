@@ -8,6 +8,9 @@ The tasks of nanoChaCAL, each behind the same small interface (the class Task be
     task.describe(x, y, preds)   # readable lines about one sequence
     task.evaluate(model, ...)    # the task's metrics as a dict (train.py prints and logs them)
     task.example(generator, prompt=None, length=None)  # what sample.py shows
+    task.layout(x)               # extra arguments of the model for x: {}, or the inductive
+                                 # scratchpad's positions and groups (cycles)
+    task.generate(model, prompt, max_new_tokens)  # greedy answers (a task that generates_answer)
     task.vocab_size, task.block_size, task.train_defaults
 
 `generator` is a torch.Generator (on the CPU), so a seeded run sees the same data every time.
@@ -26,6 +29,8 @@ import re
 import torch
 from tqdm import tqdm
 
+from scratchpad import copies, generate_inductive, inductive_layout, training_form
+
 
 class Task:
     """What every task provides; a task overrides what differs.
@@ -42,6 +47,7 @@ class Task:
     train_defaults = {}        # train.py settings this task needs other than train.py's defaults
     broadcast_ids = ()         # token ids that LEGO attention lets every token read
     generates_answer = False   # the model writes an answer after a prompt (needs a causal model)
+    stop_token = None          # such a task's last token: generation stops once every row wrote it
     prompt_length = None       # sample.py: tokens read at once before decoding one at a time
 
     def evaluation_batches(self, n_samples, batch_size, generator):
@@ -68,12 +74,24 @@ class Task:
         x, _ = self.sample(1, generator, split="test")
         return x, self.prompt_length or x.size(1)
 
+    def layout(self, x):
+        """Keyword arguments of the model's forward for a batch x (B, T), besides x and y: none
+        for an ordinary task; positions and groups (B, T) for the inductive scratchpad."""
+        return {}
+
+    def generate(self, model, idx, max_new_tokens, use_cache=True):
+        """The model's greedy continuation of prompts idx (B, T), up to stop_token: (B, T + new)."""
+        return model.generate(idx, max_new_tokens, temperature=0, use_cache=use_cache,
+                              stop_token=self.stop_token)
+
 
 @torch.no_grad()
-def score_batches(model, batches, chain_depth, device="cpu", autocast=contextlib.nullcontext()):
+def score_batches(model, batches, chain_depth, device="cpu", autocast=contextlib.nullcontext(),
+                  layout=lambda x: {}):
     """Loss and accuracy of model on batches of (x, y), overall and by chain depth, and the share
     of sequences with every scored token right. For an answer decoded greedily that share is its
     exact match: each greedy step then sees the same prefix as here, so it writes the same token.
+    layout(x): the task's extra arguments of the model (Task.layout).
     """
     was_training = model.training
     model.eval()
@@ -81,7 +99,7 @@ def score_batches(model, batches, chain_depth, device="cpu", autocast=contextlib
     for x, y in batches:
         depth = chain_depth(x)
         with autocast:
-            logits, loss = model(x.to(device), y.to(device))
+            logits, loss = model(x.to(device), y.to(device), **layout(x.to(device)))
         correct = (logits.argmax(dim=-1).cpu() == y)
         scored = y != -1
         total_loss += loss.item() * scored.sum().item()  # the loss is a mean over scored tokens
@@ -1277,6 +1295,261 @@ class LEGO(Task):
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Cycles: is B reachable from A? The task behind the inductive scratchpad (Abbe et al. 2024,
+# Section 3.2 and Appendix C): one 2n-cycle and two n-cycles look alike locally, so a model must
+# walk the graph; an inductive scratchpad lets it learn one step of the walk, and walk further.
+
+CYCLE_WORDS = ["<pad>", ">", ";", "?", ":", "#", "0", "1", "."]
+(CYCLE_PAD, CYCLE_EDGE, CYCLE_END, CYCLE_QUERY, CYCLE_START, CYCLE_SEP, CYCLE_NO, CYCLE_YES,
+ CYCLE_STOP) = range(len(CYCLE_WORDS))
+SCRATCHPADS = ("none", "full", "inductive")
+
+
+class Cycles(Task):
+    """Two directed cycles of n nodes, or one of 2n: is B reachable from A? (Abbe et al. 2024).
+
+    The edges `vX > vY ;` in shuffled order, then the query `vA ? vB ;`. A is a node of the
+    first cycle; B is `distance` steps ahead of A (default n) when the graph is one cycle, and
+    the first node of the other cycle when it is two. The answer is `1 .` (connected) or `0 .`;
+    the labels are balanced in every batch. Node names are single tokens v0, v1, ..., drawn
+    afresh for each graph. Walking from A meets B after `distance` steps, or comes back to A
+    after n: that walk's length is the chain depth of every label of the row. With n = 3, one
+    6-cycle, distance 3 (`python data.py` prints this one):
+
+        prompt     v46 > v39 ; v77 > v46 ; v28 > v54 ; v54 > v58 ; v58 > v77 ; v39 > v28 ; v54 ? v46 ;
+        none       1 .
+        full       v54 > v58 > v77 > v46 ; 1 .
+        inductive  : v58 # v77 # v46 # 1 .
+
+    --scratchpad picks the format. "full" is the DFS scratchpad: the walk from A, each step
+    written with every earlier one in view. "inductive" writes states after ":", one node each,
+    closed by "#"; under the inductive scratchpad's masks (scratchpad.py) each state sees only
+    the question and the state before it. So the states are the nodes *after* A: were A itself
+    a state, the state after it would be its successor the first time and "0" when a walk on an
+    n-cycle comes back to A, from the same view both times. ":" ends the prompt. Training rows
+    are in the training form, each closed state twice, the second copy unscored:
+
+        x   ... v54 ? v46 ; :   v58 # v58 #   v77 # v77 #   v46 # v46 # 1 .
+        y   ... -   - -   - v58 #   - -   v77 #   - -   v46 #   - -   1 . -
+
+    (y[t] is the target read at x[t]; "-" is -1), and layout(x) gives their positions and
+    groups: the copy "v58 #" opens group 2 at the positions of the first "v58 #".
+
+    Out of distribution: --test_cycle_n and --test_cycle_distance give the test split other
+    sizes (longer walks than any in training, say); the vocabulary holds the names of both.
+    With learned positions, another n also moves every state (they start at the question's
+    length); another distance at the same n keeps the positions and changes the walk alone.
+    """
+
+    generates_answer = True
+    stop_token = CYCLE_STOP
+    flags = {"cycle_n": dict(type=int, help="cycles: nodes per cycle n: two n-cycles or one "
+                             "2n-cycle (5)"),
+             "cycle_distance": dict(type=int, help="cycles: steps from A to B when connected, "
+                                    "1..2n-1 (n)"),
+             "test_cycle_n": dict(type=int, help="cycles: n of the test split (cycle_n)"),
+             "test_cycle_distance": dict(type=int, help="cycles: the test split's distance "
+                                         "(test_cycle_n)"),
+             "scratchpad": dict(choices=list(SCRATCHPADS), help="cycles: the answer alone "
+                                "(none), the walk first (full, DFS), or inductive states (none)")}
+    train_defaults = {"n_layer": 2, "batch_size": 64, "max_iters": 2000}
+
+    def __init__(self, cycle_n=5, cycle_distance=None, test_cycle_n=None,
+                 test_cycle_distance=None, scratchpad="none", n_names=100):
+        if scratchpad not in SCRATCHPADS:
+            raise ValueError(f"--scratchpad {scratchpad!r}: choose none, full or inductive")
+        test_cycle_n = cycle_n if test_cycle_n is None else test_cycle_n
+        self.sizes = {}  # split -> (n, distance)
+        for split, flag, n, distance in (("train", "", cycle_n, cycle_distance),
+                                         ("test", "test_", test_cycle_n, test_cycle_distance)):
+            if n < 2:
+                raise ValueError(f"--{flag}cycle_n {n} must be at least 2: two cycles of one "
+                                 f"node are two loops")
+            distance = n if distance is None else distance
+            if not 1 <= distance < 2 * n:
+                raise ValueError(f"--{flag}cycle_distance {distance}: on a cycle of {2 * n} "
+                                 f"nodes, B lies 1 to {2 * n - 1} steps ahead of A")
+            self.sizes[split] = (n, distance)
+        self.scratchpad = scratchpad
+        self.n_names = max(n_names, 2 * cycle_n, 2 * test_cycle_n)
+        self.vocab = CYCLE_WORDS + [f"v{i}" for i in range(self.n_names)]
+        self.token_ids = {word: i for i, word in enumerate(self.vocab)}
+        self.vocab_size = len(self.vocab)
+        self.block_size = max(self._length(*size) for size in self.sizes.values())
+        self.prompt_length = self._prompt_length(self.sizes["test"][0])
+
+    def _prompt_length(self, n):
+        return 8 * n + 4 + (self.scratchpad == "inductive")  # 2n edges, the query, ":"
+
+    def _length(self, n, distance):
+        """The longest row of a split: the prompt, then the longest walk's scratchpad, answer."""
+        steps = max(n, distance)
+        return self._prompt_length(n) + {"none": 2, "full": 2 * steps + 4,
+                                         "inductive": 4 * steps + 2}[self.scratchpad]
+
+    def _prompt(self, n, distance, connected, generator):
+        """Token ids of one graph and its query (and ":" for the inductive scratchpad)."""
+        names = torch.randperm(self.n_names, generator=generator)[:2 * n] + len(CYCLE_WORDS)
+        names = names.tolist()
+        if connected:  # one 2n-cycle: names[0] -> names[1] -> ... -> names[2n-1] -> names[0]
+            successor = {names[i]: names[(i + 1) % (2 * n)] for i in range(2 * n)}
+        else:          # two n-cycles, names[:n] and names[n:]
+            successor = {names[c + i]: names[c + (i + 1) % n] for c in (0, n) for i in range(n)}
+        a = int(torch.randint(n, (), generator=generator))
+        b = names[(a + distance) % (2 * n)] if connected else names[n]
+        order = torch.randperm(2 * n, generator=generator).tolist()
+        edges = [token for i in order
+                 for token in (names[i], CYCLE_EDGE, successor[names[i]], CYCLE_END)]
+        return edges + [names[a], CYCLE_QUERY, b, CYCLE_END] + self._start()
+
+    def _start(self):
+        return [CYCLE_START] if self.scratchpad == "inductive" else []
+
+    @staticmethod
+    def walk(prompt):
+        """(nodes after A, connected) by brute force: follow the prompt's edges from A until B
+        (connected) or A again (two cycles)."""
+        query = prompt.index(CYCLE_QUERY)
+        successor = {prompt[i]: prompt[i + 2] for i in range(0, query - 1, 4)}
+        a, b = prompt[query - 1], prompt[query + 1]
+        nodes = [successor[a]]
+        while nodes[-1] not in (a, b):
+            if len(nodes) > len(successor):  # only a typed prompt can be anything but cycles
+                raise ValueError("the walk from A never comes back to A nor meets B")
+            nodes.append(successor[nodes[-1]])
+        return nodes, nodes[-1] == b
+
+    def completion(self, prompt):
+        """The token ids that follow a prompt: the scratchpad of --scratchpad, then the answer."""
+        nodes, connected = self.walk(prompt)
+        answer = [CYCLE_YES if connected else CYCLE_NO, CYCLE_STOP]
+        if self.scratchpad == "none":
+            return answer
+        if self.scratchpad == "full":
+            a = prompt[prompt.index(CYCLE_QUERY) - 1]
+            walk = [token for node in [a] + nodes for token in (node, CYCLE_EDGE)][:-1]
+            return walk + [CYCLE_END] + answer
+        return [token for node in nodes for token in (node, CYCLE_SEP)] + answer
+
+    def _rows(self, prompts):
+        """(x, y) of prompts (lists of ids): each completed, in the training form if inductive,
+        padded on the right; y[t] = x[t+1] after the prompt, -1 on the prompt, the padding and
+        the copies."""
+        rows = [prompt + self.completion(prompt) for prompt in prompts]
+        if self.scratchpad == "inductive":
+            rows = [training_form(row, CYCLE_START, CYCLE_SEP) for row in rows]
+        x = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], batch_first=True)
+        y = torch.full_like(x, -1)
+        start = len(prompts[0]) - 1  # one prompt length per batch (one n per split)
+        y[:, start:-1] = x[:, start + 1:]
+        unscored = x == CYCLE_PAD
+        if self.scratchpad == "inductive":
+            unscored |= copies(x, CYCLE_START, CYCLE_SEP)
+        y[:, :-1] = y[:, :-1].masked_fill(unscored[:, 1:], -1)
+        return x, y
+
+    def sample(self, batch_size, generator=None, split="train"):
+        n, distance = self.sizes["test" if split == "test" else "train"]
+        # Balanced: half the rows connected, in random order (an odd batch's extra row either).
+        offset = torch.randint(2, (), generator=generator)
+        connected = ((torch.randperm(batch_size, generator=generator) + offset) % 2).tolist()
+        return self._rows([self._prompt(n, distance, c, generator) for c in connected])
+
+    def prompts(self, x):
+        """Each row's prompt (a list of ids): the edges, the query, and ":" if inductive."""
+        return [ids[:ids.index(CYCLE_QUERY) + 3] + self._start() for ids in x.tolist()]
+
+    def solve(self, x):
+        """The labels of x (B, T) from each row's edges and query alone, by walking the graph."""
+        _, y = self._rows(self.prompts(x))
+        return y[:, :x.size(1)]
+
+    def chain_depth(self, x):
+        """(B, T): at every scored position, the length of the row's walk; -1 elsewhere."""
+        steps = torch.tensor([len(self.walk(prompt)[0]) for prompt in self.prompts(x)])
+        return torch.where(self.solve(x) != -1, steps[:, None], -1)
+
+    def layout(self, x):
+        """The inductive scratchpad's positions and groups of x (scratchpad.inductive_layout);
+        nothing for the other formats."""
+        if self.scratchpad != "inductive":
+            return {}
+        positions, groups = inductive_layout(x, CYCLE_START, CYCLE_SEP)
+        return {"positions": positions, "groups": groups}
+
+    def generate(self, model, idx, max_new_tokens, use_cache=True):
+        """Greedy answers to prompts idx (B, T), under the inductive scratchpad's masks if it
+        is the format (scratchpad.generate_inductive), else as GPT.generate."""
+        if self.scratchpad == "inductive":
+            return generate_inductive(model, idx, max_new_tokens, CYCLE_START, CYCLE_SEP,
+                                      temperature=0, use_cache=use_cache, stop_token=CYCLE_STOP)
+        return super().generate(model, idx, max_new_tokens, use_cache)
+
+    def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
+                 autocast=contextlib.nullcontext(), final=False):
+        """Task.evaluate's scores on the training form, then the answers written by greedy
+        generation (with the cache where the model can): eval_answer_acc is the share of test
+        prompts whose written answer (the token before the first ".") is the right 0 or 1."""
+        batches = list(self.evaluation_batches(n_samples, batch_size, generator))
+        metrics = score_batches(model, batches, self.chain_depth, device, autocast, self.layout)
+        right = 0
+        for x, _ in batches:
+            prompts = torch.tensor(self.prompts(x), device=device)
+            room = self._length(*self.sizes["test"]) - prompts.size(1)
+            with autocast:
+                out = self.generate(model, prompts, room, model.can_cache()).tolist()
+            for prompt, row in zip(self.prompts(x), out):
+                written = row[len(prompt):]
+                stop = written.index(CYCLE_STOP) if CYCLE_STOP in written else 0
+                right += stop > 0 and written[stop - 1] == self.completion(prompt)[-2]
+        return {**metrics, "eval_answer_acc": right / n_samples}
+
+    def example(self, generator, prompt=None, length=None):
+        """A test prompt (ids up to ";", or ":" if inductive) drawn with generator, or a typed
+        one: the edges and query as text, e.g. "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;"."""
+        if length is not None:
+            return super().example(generator, length=length)
+        if prompt is None:
+            ids = self.prompts(self.sample(1, generator, split="test")[0])[0]
+        else:
+            unknown = [word for word in prompt.split() if word not in self.token_ids]
+            if unknown:
+                raise ValueError(f"--prompt: {unknown[0]!r} is not a cycles token (node names "
+                                 f"v0..v{self.n_names - 1}, and > ; ?)")
+            ids = [self.token_ids[word] for word in prompt.split()]
+            ids = ids[:-1] if ids[-1:] == [CYCLE_START] else ids
+            try:
+                self.walk(ids)
+            except (ValueError, KeyError, IndexError):
+                raise ValueError("--prompt: expected edges 'vX > vY ;' where every node has one "
+                                 "successor, then the query 'vA ? vB ;'") from None
+            ids += self._start()
+        return torch.tensor([ids]), len(ids)
+
+    def decode(self, ids):
+        """The text of token ids, padding left out: 'v4 > v9 ; ... v4 ? v7 ; : v9 # 1 .'"""
+        return " ".join(self.vocab[int(i)] for i in ids if int(i) != CYCLE_PAD)
+
+    def describe(self, x, y=None, predictions=None):
+        """Lines about one row x (T,): the graph and query, the right completion, and the
+        model's: what x holds after the prompt (generated), or its predictions where y scores."""
+        ids = x.tolist()
+        prompt = self.prompts(x[None])[0]
+        lines = [f"prompt: {self.decode(prompt)}",
+                 f"truth : {self.decode(self.completion(prompt))}"]
+        if predictions is not None:
+            y = self.solve(x[None])[0] if y is None else y
+            scored = y != -1
+            hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
+            lines.append(f"model : {self.decode(predictions[scored])}  ({hits}/{n} tokens)")
+        elif len(ids) > len(prompt):
+            written = ids[len(prompt):]
+            end = written.index(CYCLE_STOP) + 1 if CYCLE_STOP in written else len(written)
+            lines.append(f"model : {self.decode(written[:end])}")
+        return "\n".join(lines)
+
+
 # The --task name of each task.
 TASKS = {
     "toy": PointerChains,
@@ -1288,6 +1561,7 @@ TASKS = {
     **{f"d{n}": functools.partial(BoundedDyck, n) for n in (2, 3, 4, 12)},
     **{f"tomita{n}": functools.partial(Tomita, n) for n in (3, 4, 5, 6)},
     "lego": LEGO,
+    "cycles": Cycles,
 }
 # The tasks of the RegularGPT paper's Table 1: one label at the end, tested at unseen lengths.
 REGULAR_LANGUAGES = ["even_pairs", "parity", "cycle_navigation", "modular_arithmetic",
@@ -1329,3 +1603,7 @@ if __name__ == "__main__":
     task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
     x, y = task.sample(1, torch.Generator().manual_seed(0))
     print(task.describe(x[0], y[0]))
+    for scratchpad in SCRATCHPADS:  # the worked example of Cycles' docstring
+        task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+        prompt = task.prompts(task.sample(1, torch.Generator().manual_seed(1))[0])[0]
+        print(f"{task.decode(prompt)}  |  {task.decode(task.completion(prompt))}")

@@ -6,7 +6,8 @@ as GPT-2 and nanoGPT; parameter names follow GPT-2, so GPT.from_pretrained("gpt2
 weights by name, with ChaCAL swapped in if asked (the ChaCAL paper's Section 5.3; it needs the
 optional `pip install transformers`). Post-LayerNorm blocks (the original Transformer's, BERT's
 and RegularGPT's) are one option away. The model knows nothing about tasks: it maps token ids to
-logits, and ignores targets equal to -1 in the loss.
+logits, and ignores targets equal to -1 in the loss. Per-token positions and attention groups
+(the inductive scratchpad, scratchpad.py) are optional arguments of forward().
 
 Three options from the papers, each usable with any attention:
 - weight sharing (ALBERT; RegularGPT): `thickness` distinct blocks, reused at every depth;
@@ -150,13 +151,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, token_ids=None, depth=0):
+    def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
         if self.post_norm:
             # The residual stream itself is normalised, so a shared block sees states of one
             # scale at every depth: RegularGPT's parity extrapolates with it (lesson 02).
-            x = self.ln_1(x + self.attn(x, cache=cache, token_ids=token_ids, depth=depth))
+            x = self.ln_1(x + self.attn(x, cache=cache, token_ids=token_ids, depth=depth,
+                                        groups=groups))
             return self.ln_2(x + self.mlp(x))
-        x = x + self.attn(self.ln_1(x), cache=cache, token_ids=token_ids, depth=depth)
+        x = x + self.attn(self.ln_1(x), cache=cache, token_ids=token_ids, depth=depth,
+                          groups=groups)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -243,28 +246,35 @@ class GPT(nn.Module):
                              "attention); decode with use_cache=False")
         return [LayerCache() for _ in range(self.config.n_layer)]
 
-    def forward(self, idx, targets=None, caches=None):
+    def forward(self, idx, targets=None, caches=None, positions=None, groups=None):
         """idx (B, T) token ids -> (logits (B, T, vocab), loss or None).
 
         targets (B, T): the loss is the mean cross-entropy over positions whose target is not -1.
         caches: from new_caches(); each layer appends this call's tokens to its cache, and
         positions continue after the tokens already cached.
+        positions, groups (B, T): the inductive scratchpad's layout (scratchpad.py): each token's
+        row of the position table, and its attention group (it sees the earlier tokens of its
+        group and of group 0). None, as for every ordinary task: positions 0, 1, 2, ... and the
+        causal mask.
         """
         B, T = idx.size()
         start = len(caches[0]) if caches else 0
         x = self.transformer.wte(idx)
         if self.config.pos == "learned":
-            if start + T > self.config.block_size:
-                raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
+            last = start + T if positions is None else int(positions.max()) + 1
+            if last > self.config.block_size:
+                raise ValueError(f"sequence of {last} tokens is longer than block_size "
                                  f"{self.config.block_size}; train with a larger --block_size")
-            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-            x = x + self.transformer.wpe(pos)
+            if positions is None:
+                positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+            x = x + self.transformer.wpe(positions)  # positions (T,) or (B, T)
         x = self.transformer.drop(x)
         blocks = self.transformer.h
         for depth in range(self.n_layers_for(start + T)):
             # Shared weights cycle through the `thickness` blocks; otherwise block == depth.
             block = blocks[depth % len(blocks)]
-            x = block(x, cache=caches[depth] if caches else None, token_ids=idx, depth=depth)
+            x = block(x, cache=caches[depth] if caches else None, token_ids=idx, depth=depth,
+                      groups=groups)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:

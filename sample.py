@@ -74,8 +74,7 @@ def main(argv=None):
                          f"block_size {model.config.block_size}")
         synchronize(device)
         start = time.perf_counter()
-        out = model.generate(x, room, temperature=0, use_cache=use_cache,
-                             stop_token=task.stop_token)
+        out = task.generate(model, x, room, use_cache)  # greedy, the task's masks if any
         synchronize(device)
         seconds, n_tokens = time.perf_counter() - start, out.size(1) - x.size(1)
         print(task.describe(out[0].cpu()))

@@ -367,9 +367,9 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
         lr = learning_rate(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = task.sample(args.batch_size, rngs[0])
-        with autocast:
-            logits, loss = model(x.to(args.device), y.to(args.device))
+        x, y = (t.to(args.device) for t in task.sample(args.batch_size, rngs[0]))
+        with autocast:  # layout: {} or, for an inductive scratchpad, positions and groups
+            logits, loss = model(x, y, **task.layout(x))
         loss.backward()
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

@@ -1,0 +1,275 @@
+"""The inductive scratchpad (scratchpad.py) and the cycles task: the training form against the
+appendix's other training method, cached generation against uncached, the group mask against
+its definition, the cycles labels against the brute-force walk, and bad flags at start."""
+
+import pytest
+import torch
+
+import train
+from attention import group_visibility
+from data import CYCLE_START, CYCLE_SEP, Cycles, get_task
+from model import GPT, GPTConfig
+from scratchpad import copies, generate_inductive, inductive_layout, training_form
+
+ATTENTIONS = ["standard", "chacal", "standard,chacal"]
+START, SEP = 6, 7  # the start token and separator of the small models below (vocabulary 8)
+
+
+def small_model(attn, fused=True):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=48, vocab_size=8, n_layer=len(attn.split(",")), n_head=2,
+                          n_embd=16, attn=attn)).double().eval()
+    for block in model.transformer.h:
+        block.attn.fused = fused
+    return model
+
+
+def layout_of(ids):
+    x = torch.tensor([ids])
+    positions, groups = inductive_layout(x, START, SEP)
+    return x, positions, groups
+
+
+def test_training_form_and_layout_of_the_worked_example():
+    q, s1, s2, s3 = [0, 1, 2, START], [3, SEP], [4, SEP], [5]
+    form = training_form(q + s1 + s2 + s3, START, SEP)
+    assert form == q + s1 + s1 + s2 + s2 + s3
+    x, positions, groups = layout_of(form)
+    assert groups[0].tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]
+    assert positions[0].tolist() == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 4, 5, 6]
+    assert copies(x, START, SEP)[0].tolist() == [False] * 6 + [True] * 2 + [False] * 2 + \
+        [True] * 2 + [False]
+    # Without the start token: the ordinary layout.
+    x, positions, groups = layout_of([0, 1, SEP, 2])
+    assert positions[0].tolist() == [0, 1, 2, 3] and groups[0].tolist() == [0, 0, 0, 0]
+
+
+def test_group_mask_equals_its_definition():
+    generator = torch.Generator().manual_seed(0)
+    groups = torch.randint(0, 4, (3, 9), generator=generator).sort(dim=1).values
+    for n_queries in (9, 4, 1):
+        visible = group_visibility(groups[:, -n_queries:], groups)
+        assert visible.shape == (3, 1, n_queries, 9)
+        for b in range(3):
+            for i in range(n_queries):
+                query = 9 - n_queries + i
+                for j in range(9):
+                    allowed = j <= query and (groups[b, j] == groups[b, query] or groups[b, j] == 0)
+                    assert bool(visible[b, 0, i, j]) == bool(allowed)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("attn", ATTENTIONS)
+def test_training_form_equals_each_state_read_on_its_own(attn, fused):
+    """Appendix C's two training methods agree: Q s1# s1# s2# s2# s3 with groups and positions
+    gives, on each state, the logits of Q s[i-1]# s[i] read alone, and the same loss."""
+    model = small_model(attn, fused)
+    q, states = [1, 2, 3, 0, 4, START], [[2, 5, SEP], [3, SEP], [1, 1, 4, SEP], [5, 0]]
+    ids = q + [token for state in states for token in state]
+    form = training_form(ids, START, SEP)
+    x, positions, groups = layout_of(form)
+    targets = torch.tensor([form[1:] + [-1]]).masked_fill(copies(x, START, SEP).roll(-1, 1), -1)
+    targets[0, :len(q) - 1] = -1  # the question is not scored, as in the cycles task
+    logits, loss = model(x, targets, positions=positions, groups=groups)
+
+    alone_loss, n_scored, at = 0.0, 0, len(q) - 1  # `at`: the form's token predicting state i
+    for i, state in enumerate(states):
+        previous = states[i - 1] if i else []
+        alone = torch.tensor([q + previous + state])
+        alone_logits, _ = model(alone)
+        # In the form, the token before state i (":" or the copy's "#") and state i itself.
+        mine = logits[0, at:at + len(state)]
+        theirs = alone_logits[0, len(q) + len(previous) - 1:-1]
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-10)
+        alone_targets = torch.tensor(state)
+        alone_loss += torch.nn.functional.cross_entropy(theirs, alone_targets, reduction="sum")
+        n_scored += len(state)
+        at += len(state) + (len(state) if i < len(states) - 1 else 0)  # skip the copy
+    torch.testing.assert_close(loss, alone_loss / n_scored, rtol=1e-10, atol=1e-10)
+    # and on the question itself the form is the ordinary model
+    torch.testing.assert_close(logits[0, :len(q)], model(torch.tensor([q]))[0][0], rtol=1e-10,
+                               atol=1e-10)
+
+
+def sep_friendly(model):
+    """Make the separator likely, so that sampled sequences close many states."""
+    with torch.no_grad():
+        model.lm_head.weight[SEP] = model.lm_head.weight[:START].mean(0) * 3
+    return model
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("attn", ATTENTIONS)
+def test_cached_inductive_generation_equals_uncached(attn, fused):
+    model = sep_friendly(small_model(attn, fused))
+    prompts = torch.randint(0, START, (4, 7), generator=torch.Generator().manual_seed(1))
+    prompts[:, -1] = START                                      # Q :
+    prompts[1, 3:] = torch.tensor([START, 2, SEP, 4])           # a prompt inside a state
+    prompts[2, 5:] = torch.tensor([START, 3])                   # ...inside the first state
+    prompts[3, -1] = 1                                          # Q not finished: no start yet
+    results = {}
+    for use_cache in (True, False):
+        results[use_cache] = generate_inductive(
+            model, prompts, 30, START, SEP, temperature=1.0, use_cache=use_cache,
+            generator=torch.Generator().manual_seed(5), return_logits=True)
+    (cached, cached_logits), (plain, plain_logits) = results[True], results[False]
+    assert torch.equal(cached, plain) and cached.shape == (4, 37)
+    torch.testing.assert_close(cached_logits, plain_logits, rtol=1e-10, atol=1e-10)
+    assert (cached[:, 7:] == SEP).sum() >= 8  # many states were closed
+
+
+@pytest.mark.parametrize("attn", ["standard", "chacal"])
+def test_the_cache_keeps_the_question_and_two_states_only(attn, monkeypatch):
+    model = sep_friendly(small_model(attn))
+    caches = []
+    new_caches = model.new_caches
+    monkeypatch.setattr(model, "new_caches", lambda: caches.append(new_caches()) or caches[-1])
+    prompt = torch.tensor([[1, 2, 3, START]])
+    out = generate_inductive(model, prompt, 25, START, SEP, temperature=1.0,
+                             generator=torch.Generator().manual_seed(3))[0].tolist()
+    read = out[4:-1]  # what the model read after Q; the last token picked was never read
+    *closed, current = " ".join(map(str, read)).split(str(SEP))
+    previous = closed[-1].split() + [SEP] if closed else []  # the last closed state, and its #
+    assert len(closed) >= 3
+    assert len(caches[0][0]) == 4 + len(previous) + len(current.split())
+
+
+def test_greedy_inductive_generation_writes_the_same_with_and_without_cache():
+    model = sep_friendly(small_model("chacal"))
+    prompts = torch.randint(0, START, (3, 6), generator=torch.Generator().manual_seed(2))
+    prompts[:, -1] = START
+    out = [generate_inductive(model, prompts, 25, START, SEP, temperature=0, use_cache=c)
+           for c in (True, False)]
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0][:, :6], prompts)
+
+
+def test_ordinary_layout_passed_explicitly_changes_nothing():
+    model = small_model("standard,chacal")
+    x = torch.randint(0, 8, (2, 12), generator=torch.Generator().manual_seed(3))
+    plain, _ = model(x)
+    explicit, _ = model(x, positions=torch.arange(12).expand(2, 12),
+                        groups=torch.zeros(2, 12, dtype=torch.long))
+    torch.testing.assert_close(explicit, plain, rtol=1e-10, atol=1e-10)
+
+
+def test_attentions_without_groups_refuse_them_naming_the_flag():
+    model = small_model("dilated")
+    x = torch.tensor([[1, 2, START, 3, SEP]])
+    with pytest.raises(ValueError, match="--attn dilated"):
+        model(x, **dict(zip(("positions", "groups"), inductive_layout(x, START, SEP))))
+
+
+def test_generation_stops_when_a_state_outgrows_the_position_table():
+    model = small_model("chacal")
+    with torch.no_grad():
+        model.lm_head.weight[SEP] = -10 * model.lm_head.weight[:START].mean(0)  # never a #
+    prompt = torch.tensor([[1, 2, START]])
+    for use_cache in (True, False):
+        out = generate_inductive(model, prompt, 100, START, SEP, temperature=0, use_cache=use_cache)
+        # Positions 0..block_size-1 were read; the token picked at the last one is kept.
+        assert out.size(1) == model.config.block_size + 1 and (out[0, 3:] != SEP).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# The cycles task.
+
+CYCLE_SETTINGS = [dict(cycle_n=2), dict(cycle_n=5, cycle_distance=3), dict(cycle_n=4),
+                  dict(cycle_n=3, test_cycle_n=6, test_cycle_distance=8)]
+
+
+@pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
+@pytest.mark.parametrize("options", CYCLE_SETTINGS)
+def test_cycles_labels_equal_the_solver(options, scratchpad):
+    task = get_task("cycles", scratchpad=scratchpad, **options)
+    for split in ("train", "test"):
+        x, y = task.sample(32, torch.Generator().manual_seed(0), split=split)
+        assert torch.equal(task.solve(x), y)
+        assert x.size(1) <= task.block_size and int(x.max()) < task.vocab_size
+        answers = [row[row.index(".") - 1] for row in (task.decode(r).split() for r in x)]
+        assert answers.count("1") == answers.count("0") == 16  # balanced
+        depth = task.chain_depth(x)
+        assert ((depth == -1) == (y == -1)).all()
+        n, distance = task.sizes[split]
+        assert set(depth[y != -1].tolist()) <= {n, distance}
+
+
+def test_cycles_graph_walk_by_hand():
+    task = Cycles(cycle_n=2, scratchpad="inductive")
+    # v1 > v2 > v3 > v4 > v1, one 4-cycle; A = v1, B = v3 two steps ahead.
+    prompt = [task.token_ids[w] for w in "v1 > v2 ; v3 > v4 ; v2 > v3 ; v4 > v1 ; v1 ? v3 ; :".split()]
+    assert task.decode(task.completion(prompt)) == "v2 # v3 # 1 ."
+    prompt = [task.token_ids[w] for w in "v1 > v2 ; v3 > v4 ; v2 > v1 ; v4 > v3 ; v1 ? v3 ; :".split()]
+    assert task.decode(task.completion(prompt)) == "v2 # v1 # 0 ."
+    task.scratchpad = "full"
+    assert task.decode(task.completion(prompt[:-1])) == "v1 > v2 > v1 ; 0 ."
+
+
+def test_cycles_worked_example_of_the_docstring():
+    lines = {}  # what the docstring shows after the prompt, one line per format
+    for scratchpad in ("none", "full", "inductive"):
+        task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+        prompt = task.prompts(task.sample(1, torch.Generator().manual_seed(1))[0])[0]
+        start = ": " if scratchpad == "inductive" else ""  # ":" ends an inductive prompt
+        lines[scratchpad] = start + task.decode(task.completion(prompt))
+        assert f"{scratchpad:10s} {lines[scratchpad]}" in Cycles.__doc__
+    assert task.decode(prompt).startswith("v46 > v39 ; v77 > v46 ;")
+
+
+def test_cycles_layout_is_for_the_inductive_format_only():
+    assert get_task("cycles", scratchpad="full").layout(torch.zeros(1, 3, dtype=torch.long)) == {}
+    task = get_task("cycles", scratchpad="inductive")
+    x, _ = task.sample(2, torch.Generator().manual_seed(0))
+    layout = task.layout(x)
+    assert layout["groups"].max() > 1 and layout["positions"].max() < task.block_size
+    assert torch.equal(layout["groups"], inductive_layout(x, CYCLE_START, CYCLE_SEP)[1])
+
+
+@pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
+def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad):
+    task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_embd=32,
+                          n_head=2, attn="chacal"))
+    metrics = task.evaluate(model, 6, 4, torch.Generator().manual_seed(0))
+    assert 0 <= metrics["eval_answer_acc"] <= 1 and metrics["eval_loss"] > 0
+    assert set(metrics["eval_acc_by_depth"]) == {"3"}
+
+
+def test_cycles_smoke_run_through_train_py(tmp_path):
+    summary = train.main(["--task", "cycles", "--scratchpad", "inductive", "--cycle_n", "3",
+                          "--n_embd", "32", "--n_head", "2", "--batch_size", "8",
+                          "--eval_samples", "8", "--max_iters", "2", "--eval_interval", "2",
+                          "--no-progress", "--device", "cpu", "--out_dir", str(tmp_path)])
+    assert "eval_answer_acc" in summary["final"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--cycle_n", "1"], "--cycle_n"),
+    (["--test_cycle_n", "1"], "--test_cycle_n"),
+    (["--cycle_n", "3", "--cycle_distance", "6"], "--cycle_distance"),
+    (["--cycle_distance", "0"], "--cycle_distance"),
+    (["--test_cycle_n", "4", "--test_cycle_distance", "8"], "--test_cycle_distance"),
+    (["--scratchpad", "dfs"], "--scratchpad"),
+])
+def test_bad_cycles_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--task", "cycles", "--device", "cpu"] + flags)
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("train.py: error:") and named in error[0]
+
+
+def test_cycles_typed_prompts_are_read_or_refused():
+    task = get_task("cycles", scratchpad="inductive")
+    x, n_prompt = task.example(None, "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;")
+    assert task.decode(x[0]) == "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ; :"
+    assert n_prompt == x.size(1) == 21
+    for bad in ("v1 > v2 ; v2 > v3 ; v3 > v2 ; v1 ? v5 ;", "v1 > v2 ; v1 ? v3 ;", "w1 ? v2 ;"):
+        with pytest.raises(ValueError, match="--prompt"):
+            task.example(None, bad)
+
+
+def test_cycles_flags_have_help():
+    usage = train.build_parser().format_help()
+    for flag in Cycles.flags:
+        assert f"--{flag}" in usage and Cycles.flags[flag]["help"].split()[0] == "cycles:"
