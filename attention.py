@@ -7,7 +7,7 @@ Every variant maps x (B, T, C) to (B, T, C) and is called as
     attn(x, cache=None, token_ids=None, depth=0, groups=None)
 
 - `cache` is a LayerCache when decoding token by token (see GPT.generate), else None.
-- `groups` (B, T) are the attention groups of the inductive scratchpad (scratchpad.py), or None
+- `groups` (B, T) are the attention groups of the inductive scratchpad (model.inductive_layout), or None
   for the ordinary causal mask. Standard attention and ChaCAL honour them; the others refuse them.
 - `token_ids` (B, T) and `depth` (the index of the layer in the stack) are passed to every variant
   so that variants which need them (LEGO attention reads token ids, Sliding-Dilated-Attention
@@ -133,7 +133,7 @@ class LayerCache:
     Standard attention stores its values v_i; ChaCAL stores its mixed values m_i instead, so both
     keep one (key, value) pair per token and decode at the same cost. Under the inductive
     scratchpad's masks it also keeps each token's group, and forgets a state's tokens once no
-    query can see them any more (scratchpad.generate_inductive).
+    query can see them any more (model.generate_inductive).
     """
 
     def __init__(self):
@@ -311,7 +311,9 @@ class ChaCALKeepDiagonal(ChaCALAttention):
         eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
         return chacal_keep_diagonal(q, k, eye, self.gamma, causal=self.causal)
 
-    def mix(self, q, k, v, cache, depth):
+    def mix(self, q, k, v, cache, depth, groups=None):
+        if groups is not None:
+            raise ValueError(NO_GROUPS.format(attn="chacal_diagonal"))
         if cache is None:
             return chacal_keep_diagonal(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
         y = chacal_keep_diagonal(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)

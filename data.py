@@ -29,7 +29,7 @@ import re
 import torch
 from tqdm import tqdm
 
-from scratchpad import copies, generate_inductive, inductive_layout, training_form
+from model import copies, generate_inductive, inductive_layout, training_form
 
 
 class Task:
@@ -1324,7 +1324,7 @@ class Cycles(Task):
 
     --scratchpad picks the format. "full" is the DFS scratchpad: the walk from A, each step
     written with every earlier one in view. "inductive" writes states after ":", one node each,
-    closed by "#"; under the inductive scratchpad's masks (scratchpad.py) each state sees only
+    closed by "#"; under the inductive scratchpad's masks (model.inductive_layout) each state sees only
     the question and the state before it. So the states are the nodes *after* A: were A itself
     a state, the state after it would be its successor the first time and "0" when a walk on an
     n-cycle comes back to A, from the same view both times. ":" ends the prompt. Training rows

@@ -1,4 +1,4 @@
-"""The inductive scratchpad (scratchpad.py) and the cycles task: the training form against the
+"""The inductive scratchpad (model.py) and the cycles task: the training form against the
 appendix's other training method, cached generation against uncached, the group mask against
 its definition, the cycles labels against the brute-force walk, and bad flags at start."""
 
@@ -8,8 +8,7 @@ import torch
 import train
 from attention import group_visibility
 from data import CYCLE_START, CYCLE_SEP, Cycles, get_task
-from model import GPT, GPTConfig
-from scratchpad import copies, generate_inductive, inductive_layout, training_form
+from model import GPT, GPTConfig, copies, generate_inductive, inductive_layout, training_form
 
 ATTENTIONS = ["standard", "chacal", "standard,chacal"]
 START, SEP = 6, 7  # the start token and separator of the small models below (vocabulary 8)
