@@ -69,7 +69,8 @@ def standard_attention(q, k, v, causal=True, visible=None):
     return attention_weights(q, k, causal, visible) @ v
 
 
-def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, visible=None):
+def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, visible=None,
+                     block_size=None):
     """ChaCAL: Y = (1-γ)·(I - γA')⁻¹·A·V, where A' = A with its diagonal removed.
 
     Computed without any inverse, as the unit lower-triangular system (paper, Eq. 7)
@@ -87,13 +88,23 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
     values `past_mixed`, the new tokens solve a small triangular system of their own, and a single
     new token needs no solve at all: it is ordinary attention over the mixed values.
 
+    Two paths compute the causal case. The one-solve path below builds A, T x T, and solves once:
+    the readable reference, and the faster one for short sequences. The blocked path
+    (`BlockedChaCAL`) applies the same row equation to one block of queries at a time, the
+    earlier blocks entering through their keys and mixed values exactly as a cache does, and
+    recomputes A in its backward: O(T·hs) memory instead of O(T²). `block_size` is the number of
+    query rows per block; None picks the blocked path (with CHACAL_BLOCK_SIZE) from
+    CHACAL_BLOCKED_FROM new tokens on, where it is also the faster one, and 0 takes the
+    one-solve path.
+
     Without the causal mask (a bidirectional model, as for LEGO) the system is dense; it stays
     solvable because every row of γA' sums to at most γ < 1, so I - γA' is diagonally dominant.
     The paper names this case as future work; here it is one general solve.
 
     A mask `visible` (the inductive scratchpad's groups, see group_visibility) only removes
     entries below the diagonal, so the system stays unit lower-triangular and the same solve
-    applies: the chains then run within a group and through the question, as the groups allow.
+    applies: the chains then run within a group and through the question, as the groups allow. It takes the one-solve
+    path.
 
     q, k, v: (B, nh, Tq, hs) for the new tokens; past_k, past_mixed: (B, nh, Tp, hs) or None.
     The solve runs in float32 even under autocast (CUDA has no half-precision triangular solve,
@@ -101,10 +112,21 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
     (B, nh, Tq, hs) in that solve dtype.
     """
     if not 0.0 <= gamma < 1.0:
-        raise ValueError(f"gamma={gamma} is outside [0, 1): the series diverges at gamma >= 1")
+        raise ValueError(f"gamma={gamma} is outside [0, 1): the bidirectional solve needs γ < 1, "
+                         f"and (1-γ) keeps each output a weighted average of values")
+    if block_size is None:
+        long = q.size(-2) >= CHACAL_BLOCKED_FROM
+        block_size = CHACAL_BLOCK_SIZE if causal and visible is None and long else 0
+    if block_size and (not causal or visible is not None):
+        raise ValueError("the blocked ChaCAL path is causal, without a mask (a bidirectional "
+                         "system is dense); pass block_size=None or 0")
     dtype = torch.promote_types(v.dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if block_size:
+            if past_k is not None:
+                past_k, past_mixed = past_k.to(dtype), past_mixed.to(dtype)
+            return BlockedChaCAL.apply(q, k, v, past_k, past_mixed, gamma, block_size)
         values = (1 - gamma) * v                                   # what a new token contributes
         if past_k is not None:
             k = torch.cat([past_k.to(dtype), k], dim=-2)           # (B, nh, Tp+Tq, hs)
@@ -122,6 +144,135 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
         # -γA among the new tokens *is* I - γA' to it: the diagonal leaves the inverse for free.
         return torch.linalg.solve_triangular(-gamma * A[..., -n_new:], rhs,
                                              upper=False, unitriangular=True)
+
+
+# The blocked path's rows per block, and the number of new tokens from which chacal_attention
+# takes it unasked, both measured on a 2-core CPU (bench.py --long-only, table 6b, fp32, d 128):
+# forward + backward, blocks of 32 beat blocks of 64 or 128 up to T = 512 and match them beyond;
+# the one-solve path is faster up to T = 64 (its T x T matrices are still small there), the
+# blocked one from T = 128 on (0.8x the time at 128, 0.2-0.4x at 256).
+CHACAL_BLOCK_SIZE = 32
+CHACAL_BLOCKED_FROM = 128
+
+
+def block_weights(q_block, keys, log_normaliser=None):
+    """A for a block of n queries that are the last n of `keys`, causally masked among
+    themselves: (B, nh, n, n_keys), and each row's log Σ exp (B, nh, n, 1). Given the
+    log-normalisers (the backward), A is recomputed, not renormalised."""
+    scores = (q_block / math.sqrt(q_block.size(-1))) @ keys.transpose(-2, -1)  # (B, nh, n, n_keys)
+    n = q_block.size(-2)
+    future = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
+    scores[..., -n:].masked_fill_(future, float("-inf"))  # only the last n columns hold a future
+    if log_normaliser is None:
+        log_normaliser = scores.logsumexp(dim=-1, keepdim=True)
+    return scores.sub_(log_normaliser).exp_(), log_normaliser  # in place: one n x n_keys buffer
+
+
+def keys_and_mixed_values(k, v, y, gamma, past_k, past_mixed):
+    """Every key the new tokens see, and its mixed value m = (1-γ)v + γy: (B, nh, Tp+Tq, hs)."""
+    mixed = torch.lerp(v, y, gamma)  # (1-γ)v + γy in one buffer
+    if past_k is None:
+        return k, mixed
+    return torch.cat([past_k, k], dim=-2), torch.cat([past_mixed, mixed], dim=-2)
+
+
+class BlockedChaCAL(torch.autograd.Function):
+    """Causal ChaCAL solved one block of query rows at a time, in O(T·hs) memory.
+
+    Forward. Split the new tokens into blocks of n rows. For a block b whose first row comes after
+    `e` earlier tokens (cached and new), the row equation of `chacal_attention` splits into the
+    earlier tokens, already solved, and the block's own:
+
+        (I - γA'_bb) Y_b = A_b,<e M_<e + (1-γ) A_bb V_b,
+
+    with A_b the block's rows of A (normalised over every key up to the row, as always), M_<e
+    the earlier mixed values and A_bb the block's own n x n lower triangle: a small unit
+    lower-triangular solve per block. Only q, k, v, Y and each row's log-normaliser are kept.
+
+    Backward. With C = (1-γ)AV (plus A M_past for a cache) and N = γA' among the new tokens,
+    Y = (I - N)⁻¹C, so for g = dL/dY
+
+        R = dL/dC = (I - N)⁻ᵀ g,     dL/dN = R Yᵀ.
+
+    (I - N)ᵀ is unit upper-triangular: R_j = g_j + γ Σ_{t>j} A_tj R_t. Block by block from the
+    last to the first, the sum splits into the later blocks, already done and accumulated as
+    dM_j = Σ_{t>j} A_tj R_t (the gradient of the mixed value m_j), and the block's own part, one
+    small upper-triangular solve. R is then the whole gradient reaching y_j, through m_j too.
+    Gathering dL/dC and dL/dN entry by entry,
+
+        dA_tj = R_t · w_tj,     w_tj = m_j for j < t,  w_tt = (1-γ) v_t,
+
+    so dA is the gradient of ordinary attention whose values are the mixed values, but for
+    the diagonal; and dV_j = (1-γ)(dM_j + A_jj R_j), dM_past = A_pastᵀ R. The rest is the
+    ordinary softmax backward, on A recomputed from the saved log-normalisers:
+    dS = A ⊙ (dA - Σ_j A_tj dA_tj), where the row sum is R_t · y_t because y_t = Σ_j A_tj w_tj,
+    then dQ = dS K / √hs and dK = dSᵀ Q / √hs.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_k, past_mixed, gamma, block_size):
+        n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=-2)     # (B, nh, Tp+Tq, hs)
+        mixed = torch.empty_like(keys)                                      # filled block by block
+        if past_k is not None:
+            mixed[..., :n_past, :] = past_mixed
+        y = torch.empty_like(v)                                             # (B, nh, Tq, hs)
+        log_normaliser = v.new_empty(*v.shape[:-1], 1)                      # (B, nh, Tq, 1)
+        for start in range(0, n_new, block_size):
+            stop = min(start + block_size, n_new)
+            earlier, end = n_past + start, n_past + stop
+            A, log_normaliser[..., start:stop, :] = block_weights(q[..., start:stop, :],
+                                                                  keys[..., :end, :])
+            own = A[..., earlier:]                                          # (B, nh, n, n)
+            rhs = (A[..., :earlier] @ mixed[..., :earlier, :]              # earlier tokens
+                   + (1 - gamma) * own @ v[..., start:stop, :])            # (B, nh, n, hs)
+            y_block = torch.linalg.solve_triangular(-gamma * own, rhs, upper=False,
+                                                    unitriangular=True)
+            y[..., start:stop, :] = y_block
+            mixed[..., earlier:end, :] = torch.lerp(v[..., start:stop, :], y_block, gamma)
+        ctx.save_for_backward(q, k, v, past_k, past_mixed, y, log_normaliser)
+        ctx.gamma, ctx.block_size = gamma, block_size
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        q, k, v, past_k, past_mixed, y, log_normaliser = ctx.saved_tensors
+        gamma, block_size = ctx.gamma, ctx.block_size
+        scale = 1 / math.sqrt(q.size(-1))
+        n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
+        keys, mixed = keys_and_mixed_values(k, v, y, gamma, past_k, past_mixed)  # (B, nh, Tp+Tq, .)
+        grad_q = torch.empty_like(q)
+        grad_keys = torch.zeros_like(keys)
+        # dM_j = Σ_{t>j} A_tj R_t over the blocks done so far. Once a block is done its own rows
+        # are never read again, so they take its dV: the memory of one tensor saved.
+        grad_mixed = torch.zeros_like(mixed)
+        for start in reversed(range(0, n_new, block_size)):
+            stop = min(start + block_size, n_new)
+            earlier, end = n_past + start, n_past + stop
+            q_block = q[..., start:stop, :]                                 # (B, nh, n, hs)
+            A, _ = block_weights(q_block, keys[..., :end, :],
+                                 log_normaliser[..., start:stop, :])       # (B, nh, n, end)
+            own = A[..., earlier:]                                          # (B, nh, n, n)
+            grad_own = grad_mixed[..., earlier:end, :]                      # dM_b, later blocks
+            # R_b = g_b + γ(dM_b + A'_bbᵀ R_b): the transposed system's block, upper-triangular.
+            R = torch.linalg.solve_triangular(-gamma * own.transpose(-2, -1),
+                                              grad_y[..., start:stop, :] + gamma * grad_own,
+                                              upper=True, unitriangular=True)  # (B, nh, n, hs)
+            grad_own.add_(own.transpose(-2, -1) @ R).mul_(1 - gamma)       # dV_b, in place
+            grad_mixed[..., :earlier, :] += A[..., :earlier].transpose(-2, -1) @ R
+            # dA_tj = R_t·m_j, except on the diagonal, where the value is (1-γ)v_t = m_t - γy_t.
+            grad_A = R @ mixed[..., :end, :].transpose(-2, -1)              # (B, nh, n, end)
+            R_dot_y = (R * y[..., start:stop, :]).sum(dim=-1, keepdim=True)  # (B, nh, n, 1)
+            grad_A[..., earlier:].diagonal(dim1=-2, dim2=-1).sub_(gamma * R_dot_y[..., 0])
+            grad_scores = grad_A.sub_(R_dot_y).mul_(A)  # softmax backward, A ⊙ (dA - rowsum)
+            grad_q[..., start:stop, :] = grad_scores @ keys[..., :end, :] * scale
+            grad_keys[..., :end, :] += grad_scores.transpose(-2, -1) @ (q_block * scale)
+        grad_v = grad_mixed[..., n_past:, :]
+        if past_k is None:
+            return grad_q, grad_keys, grad_v, None, None, None, None
+        return (grad_q, grad_keys[..., n_past:, :], grad_v, grad_keys[..., :n_past, :],
+                grad_mixed[..., :n_past, :], None, None)
 
 
 # -----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Speed and memory of ChaCAL against standard attention, as ratios measured in one
     python bench.py            # full sizes on a GPU; small sizes on a CPU
     python bench.py --small    # the small sizes anywhere (a minute on a laptop)
 
-Five tables:
+Six tables:
 1. the attention core alone (forward + backward), standard (fused SDPA) vs ChaCAL (triangular
    solve), at growing sequence lengths with the number of tokens per batch held fixed;
 2. a whole one-layer model's training step (forward, backward, AdamW), same lengths;
@@ -15,13 +15,21 @@ Five tables:
    Figure 9, which counts FLOPs on batches of 64 x 512 tokens);
 5. Sliding-Dilated-Attention's training step on its two paths: the fast one, which gathers each
    query's C entries, against the masked T x T map it equals (one level costs the same at any
-   dilation, so one layer stands for each of the log_C T levels).
+   dilation, so one layer stands for each of the log_C T levels);
+6. long sequences (T = 512 ... 8192, one sequence of the size above): time and peak memory of
+   the attention core's forward + backward for fused standard attention, ChaCAL's one solve and
+   ChaCAL's blocked solve, then (6b) ChaCAL's automatic choice of path against both paths at
+   T = 32 ... 512 (`python bench.py --long-only` prints these tables alone).
 
 On a GPU a last line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
 reports the training seconds it took. Each target of the project is printed beside its figure.
-Peak memory is reported on CUDA only (PyTorch tracks no CPU peak).
+Peak memory in tables 1 and 2 is reported on CUDA only (PyTorch tracks no CPU peak); table 6
+measures it on a CPU too, from the process's peak resident memory in a fresh process per case.
 """
 
+import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -30,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import train
-from attention import chacal_attention
+from attention import CHACAL_BLOCK_SIZE, CHACAL_BLOCKED_FROM, chacal_attention
 from model import GPT, GPTConfig
 from train import OneLineErrors, pick_device, synchronize
 
@@ -124,6 +132,131 @@ def bench_decode(attn, use_cache, T, batch, size, dtype, device):
     return batch * (T - 1) / seconds
 
 
+LONG_PATHS = ["fused", "one-solve", "blocked"]
+
+
+def long_core_inputs(T, n_head, head_size, dtype, device):
+    """q, k, v of one sequence, (1, nh, T, hs), that collect gradients."""
+    torch.manual_seed(0)
+    return [torch.randn(1, n_head, T, head_size, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)]
+
+
+def long_core_step(path, q, k, v):
+    """Forward + backward of one attention core: fused standard attention or a ChaCAL path."""
+    if path == "fused":
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:  # block_size 0 is the one-solve path
+        y = chacal_attention(q, k, v, 0.9, block_size=CHACAL_BLOCK_SIZE if path == "blocked" else 0)
+    y.sum().backward()
+
+
+def proc_status_kib(field):
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(field + ":")).split()[1])
+
+
+def measure_peak(path, T, n_head, head_size, dtype_name, device):
+    """MiB that one forward + backward holds at its peak beyond what existed before it (the
+    inputs), their gradients included. Called in a fresh process by peak_memory: see there."""
+    q, k, v = long_core_inputs(T, n_head, head_size, getattr(torch, dtype_name), device)
+    long_core_step(path, q, k, v)  # a warm-up: one-time initialisations are not the step's
+    for x in (q, k, v):
+        x.grad = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        long_core_step(path, q, k, v)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    if not os.path.exists("/proc/self/clear_refs"):
+        return float("nan")  # not Linux: no way to reset the process's peak
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets the peak resident size (VmHWM) to the current one
+    before = proc_status_kib("VmRSS")
+    long_core_step(path, q, k, v)
+    return (proc_status_kib("VmHWM") - before) / 1024
+
+
+def peak_memory(path, T, n_head, head_size, dtype, device):
+    """measure_peak in a fresh Python process, so that no earlier case's memory counts. On a CPU
+    the process's resident memory is what the step costs only if freed memory goes back to the
+    system at once: MALLOC_MMAP_THRESHOLD_ makes glibc map every block of 64 KiB or more on its
+    own and unmap it when freed, where by default it may keep freed memory for later reuse."""
+    code = (f"import bench; print(bench.measure_peak({path!r}, {T}, {n_head}, {head_size}, "
+            f"{str(dtype).split('.')[-1]!r}, {device!r}))")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+    return float(result.stdout.split()[-1])
+
+
+def long_sequences(lengths, size, dtype, device, repeats):
+    """Table 6: time and peak memory of forward + backward for the three paths at each length;
+    returns {T: {path: (seconds, MiB)}}."""
+    n_head, head_size = size["n_head"], size["n_embd"] // size["n_head"]
+    print(f"\n6. long sequences, attention core forward + backward, one sequence, {n_head} heads of "
+          f"{head_size} (fused = standard SDPA; blocked ChaCAL: blocks of {CHACAL_BLOCK_SIZE} rows; "
+          f"median of {repeats} runs up to T = 2048, one run beyond; peak MiB beyond the inputs)")
+    print(f"{'T':>6}" + "".join(f" {path + ' ms':>13} {path + ' MiB':>14}" for path in LONG_PATHS)
+          + f" {'blocked/fused ms, MiB':>22} {'blocked/one-solve ms, MiB':>26}")
+    results = {}
+    for T in lengths:
+        q, k, v = long_core_inputs(T, n_head, head_size, dtype, device)
+        results[T] = {}
+        for path in LONG_PATHS:
+            seconds, _ = timed(lambda: long_core_step(path, q, k, v), device,
+                               repeats if T <= 2048 else 1)  # the long cases take seconds each
+            results[T][path] = seconds, peak_memory(path, T, n_head, head_size, dtype, device)
+        (t_f, m_f), (t_o, m_o), (t_b, m_b) = (results[T][path] for path in LONG_PATHS)
+        print(f"{T:>6}" + "".join(f" {t * 1e3:>13.1f} {m:>14.1f}" for t, m in results[T].values())
+              + f" {t_b / t_f:>10.2f}x {m_b / m_f:>9.2f}x {t_b / t_o:>12.2f}x {m_b / m_o:>11.2f}x")
+    if 4096 in results:
+        (t_f, m_f), (t_o, m_o), (t_b, m_b) = (results[4096][path] for path in LONG_PATHS)
+        target("blocked ChaCAL peak memory / fused standard at T = 4096", m_b / m_f, "<=", 2)
+        target("blocked ChaCAL peak memory / one-solve ChaCAL at T = 4096", m_b / m_o, "<=", 0.1)
+        target("blocked ChaCAL time / fused standard at T = 4096", t_b / t_f, "<=", 4)
+    return results
+
+
+def fastest_of_rounds(fns, device, repeats):
+    """The fastest of `repeats` runs of each fn, taken in turns (fn 1, fn 2, ..., fn 1, ...) so that
+    a machine shared with other work slows them alike: the comparison of near-equal paths."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def short_sequences(tokens, size, dtype, device, repeats):
+    """Table 6b: where chacal_attention's automatic choice switches paths (CHACAL_BLOCKED_FROM),
+    and that it never costs more than the one-solve path: forward + backward at the model's
+    batch of `tokens` tokens."""
+    n_head, head_size = size["n_head"], size["n_embd"] // size["n_head"]
+    print(f"\n6b. ChaCAL's automatic path vs its two paths, forward + backward, {tokens} tokens per "
+          f"batch, fastest of {repeats} runs in turns (switches to blocked from T = {CHACAL_BLOCKED_FROM})")
+    print(f"{'T':>6} {'one-solve ms':>13} {'blocked ms':>11} {'auto ms':>9} {'auto/one-solve':>15}")
+    worst = 0.0
+    for T in [32, 64, 128, 192, 256, 512]:
+        shape = (max(1, tokens // T), n_head, T, head_size)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        one_solve, blocked, auto = fastest_of_rounds(
+            [lambda block_size=block_size: chacal_attention(q, k, v, 0.9, block_size=block_size)
+             .sum().backward() for block_size in (0, CHACAL_BLOCK_SIZE, None)], device, repeats)
+        print(f"{T:>6} {one_solve * 1e3:>13.1f} {blocked * 1e3:>11.1f} {auto * 1e3:>9.1f} "
+              f"{auto / one_solve:>14.2f}x")
+        worst = max(worst, auto / one_solve) if T <= 256 else worst
+    target("ChaCAL automatic path time / one-solve path, worst T <= 256", worst, "<=", 1.1)
+
+
 def target(what, measured, relation, goal):
     met = measured <= goal if relation == "<=" else measured >= goal
     print(f"   target: {what} {relation} {goal}: measured {measured:.2f}, {'met' if met else 'MISSED'}")
@@ -135,6 +268,8 @@ def main():
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                         help="auto picks cuda, then mps, then cpu")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    parser.add_argument("--long-only", action="store_true",
+                        help="only table 6, long sequences: fused, one-solve and blocked ChaCAL")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be at least 1")
@@ -156,6 +291,11 @@ def main():
     print(f"device {name}, torch {torch.__version__}, {str(dtype).split('.')[-1]}, "
           f"d {size['n_embd']}, {size['n_head']} heads, {tokens} tokens per batch, "
           f"median of {args.repeats} runs (decoding: {DECODE_REPEATS})")
+    long_lengths = [512, 1024, 2048, 4096, 8192]
+    if args.long_only:
+        long_sequences(long_lengths, size, dtype, device, args.repeats)
+        short_sequences(tokens, size, dtype, device, args.repeats)
+        return
 
     def row(T, std, cha):
         (t_std, m_std), (t_cha, m_cha) = std, cha
@@ -164,7 +304,7 @@ def main():
         return f"{T:>6} {t_std * 1e3:>10.2f} {t_cha * 1e3:>10.2f} {t_cha / t_std:>7.2f}x" + memory
 
     header = f"{'T':>6} {'std ms':>10} {'chacal ms':>10} {'ratio':>8} {'std MiB':>10} {'cha MiB':>10} {'ratio':>8}"
-    print("\n1. attention core, forward + backward (standard = fused SDPA; ChaCAL's solve in fp32)")
+    print("\n1. attention core, forward + backward (standard = fused SDPA; ChaCAL's automatic path, in fp32)")
     print(header)
     for T in lengths:
         print(row(T, *bench_core(T, tokens, size["n_head"], head_size, dtype, device, args.repeats)))
@@ -210,8 +350,11 @@ def main():
                                          fused=fused)[0] for fused in (False, True))
         print(f"{T:>6} {masked * 1e3:>10.2f} {fast * 1e3:>10.2f} {fast / masked:>7.2f}x")
 
+    long_sequences(long_lengths, size, dtype, device, args.repeats)
+    short_sequences(tokens, size, dtype, device, args.repeats)
+
     if full:
-        print("\n6. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
+        print("\n7. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")
         with tempfile.TemporaryDirectory() as out_dir:
             run = train.main(f"--attn chacal --task toy --n_embd 512 --n_head 8 --batch_size 128 "
                              f"--lr 1e-3 --warmup_iters 100 --max_iters 1500 --eval_interval 50 "

@@ -284,3 +284,80 @@ def test_chacal_keeping_the_diagonal_equals_its_explicit_inverse(causal):
              / chacal_attention(q, k, eye_values, gamma).diagonal(dim1=-2, dim2=-1))
     if causal:
         torch.testing.assert_close(ratio, 1 / (1 - gamma * A.diagonal(dim1=-2, dim2=-1)))
+
+
+# The blocked path of chacal_attention: block sizes that divide T = 12 (3, 4, 12) and that do not
+# (5, 7), with and without a cached prefix of 4 tokens, against the explicit inverse and the
+# one-solve path.
+
+def explicit_chacal(q, k, v, gamma):
+    """(1-γ)(I - γA')⁻¹ A V with the inverse formed, over the whole sequence."""
+    A = explicit_softmax_attention(q, k)
+    no_diagonal = A - torch.diag_embed(torch.diagonal(A, dim1=-2, dim2=-1))
+    eye = torch.eye(A.size(-1), dtype=A.dtype)
+    return torch.linalg.inv(eye - gamma * no_diagonal) @ ((1 - gamma) * A @ v)
+
+
+def cached_prefix(q, k, v, gamma, n_past):
+    """Solve the first n_past tokens: their keys and mixed values, as a decoding cache holds."""
+    first = explicit_chacal(q[:, :, :n_past], k[:, :, :n_past], v[:, :, :n_past], gamma)
+    return k[:, :, :n_past], (1 - gamma) * v[:, :, :n_past] + gamma * first
+
+
+@pytest.mark.parametrize("block_size", [3, 4, 5, 7, 12])
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("n_past", [0, 4])
+def test_blocked_chacal_equals_explicit_inverse_and_one_solve(block_size, gamma, n_past):
+    q, k, v = random_qkv(T=12)
+    expected = explicit_chacal(q, k, v, gamma)[:, :, n_past:]
+    past_k, past_mixed = cached_prefix(q, k, v, gamma, n_past) if n_past else (None, None)
+    new = [x[:, :, n_past:] for x in (q, k, v)]
+    blocked = chacal_attention(*new, gamma, past_k, past_mixed, block_size=block_size)
+    one_solve = chacal_attention(*new, gamma, past_k, past_mixed, block_size=0)
+    torch.testing.assert_close(blocked, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(blocked, one_solve, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 7])
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("n_past", [0, 3])
+def test_blocked_chacal_gradients_match_one_solve_and_finite_differences(block_size, gamma, n_past):
+    # Gradients reach the cached keys and mixed values too, so gradcheck covers all five inputs.
+    q, k, v, past_k, past_mixed = random_qkv(B=1, nh=2, T=6, hs=3)[:3] + random_qkv(
+        B=1, nh=2, T=n_past, hs=3, seed=1)[:2]
+    inputs = [t.requires_grad_() for t in (q, k, v) + ((past_k, past_mixed) if n_past else ())]
+
+    def blocked(*x):
+        return chacal_attention(*x[:3], gamma, *x[3:], block_size=block_size)
+
+    assert torch.autograd.gradcheck(blocked, inputs)
+    weights = torch.randn(1, 2, 6, 3, dtype=torch.float64)
+    expected = torch.autograd.grad((chacal_attention(*inputs[:3], gamma, *inputs[3:], block_size=0)
+                                    * weights).sum(), inputs)
+    for got, want in zip(torch.autograd.grad((blocked(*inputs) * weights).sum(), inputs), expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_chacal_picks_the_blocked_path_from_the_threshold_on(monkeypatch):
+    import attention
+    calls = []
+    monkeypatch.setattr(attention.BlockedChaCAL, "apply",
+                        lambda *args: calls.append(args) or torch.zeros(()))
+    monkeypatch.setattr(attention, "CHACAL_BLOCKED_FROM", 8)
+    for T, blocked in [(7, False), (8, True)]:
+        calls.clear()
+        chacal_attention(*random_qkv(T=T), 0.9)
+        assert bool(calls) == blocked, f"T = {T}"
+    chacal_attention(*random_qkv(T=8), 0.9, causal=False)  # bidirectional: always one solve
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="block_size"):
+        chacal_attention(*random_qkv(T=8), 0.9, causal=False, block_size=4)
+
+
+def test_blocked_chacal_solves_in_float32_under_autocast():
+    q, k, v = random_qkv(T=12, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = chacal_attention(q, k, v, 0.9, block_size=5)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), chacal_attention(q.double(), k.double(), v.double(), 0.9),
+                               rtol=1e-5, atol=1e-5)
