@@ -31,7 +31,7 @@ from model import GPT, GPTConfig
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """argparse, but a bad flag prints one line naming it; --help shows defaults but None."""
+    """argparse, but a bad flag prints one line naming it; --help shows defaults other than None."""
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=DefaultsShown, allow_abbrev=False, **kwargs)
