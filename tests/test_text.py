@@ -99,14 +99,15 @@ def test_perplexity_is_exp_of_the_validation_loss(corpus):
     (["--data", "SHORT"], "--context"),
     (["--context", "0"], "--context"),
     (["--task", "toy", "--data", "SHORT"], "--data"),
-    (["--init_from", "EMPTYDIR"], "--init_from"),  # no ckpt.pt, and not a saved GPT-2
+    (["--data", "WORDS", "--init_from", "EMPTYDIR"], "--init_from"),  # no ckpt.pt, nor a GPT-2
 ])
-def test_bad_input_fails_at_start_with_one_line_naming_the_flag(flags, named, tmp_path, capsys):
+def test_bad_input_fails_at_start_with_one_line_naming_the_flag(flags, named, corpus, tmp_path,
+                                                                capsys):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "short.txt").write_text("ten bytes!" * 10)  # validation: 10 bytes < context + 1
     (tmp_path / "nothing").mkdir()
     names = {"EMPTY": str(tmp_path / "empty.txt"), "SHORT": str(tmp_path / "short.txt"),
-             "EMPTYDIR": str(tmp_path / "nothing")}
+             "EMPTYDIR": str(tmp_path / "nothing"), "WORDS": str(corpus)}
     flags = [names.get(flag, flag) for flag in flags]
     with pytest.raises(SystemExit):
         train.main(TINY + flags + ["--out_dir", str(tmp_path / "out")])
