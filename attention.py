@@ -16,6 +16,7 @@ Every variant maps x (B, T, C) to (B, T, C) and is called as
 `ATTENTIONS` at the bottom maps the `--attn` name to the class.
 """
 
+import contextlib
 import math
 
 import torch
@@ -738,6 +739,22 @@ def mimicking_loss(maps_per_layer, token_ids, causal):
             log_ratio = p.clamp_min(1e-30).log() - target.clamp_min(1e-30).log()
             loss = loss + (p * log_ratio).sum(dim=-1).mean()
     return loss
+
+
+def mimic(model, batches, lr, betas, autocast=contextlib.nullcontext()):
+    """LEGO's mimicking initialisation: train the attention maps alone, with mimicking_loss, on
+    batches of token ids (B, T) (unlabelled sequences of the task), by AdamW without weight
+    decay. Returns the loss of every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr, betas, weight_decay=0)
+    losses = []
+    for x in batches:
+        with autocast:
+            loss = mimicking_loss(model.attention_maps(x), x, model.config.causal)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 # The --attn name of each variant.

@@ -19,6 +19,7 @@ train.py and sample.py call only this interface and never name a task.
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import itertools
 import math
@@ -26,6 +27,7 @@ import os
 import random
 import re
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -1550,6 +1552,182 @@ class Cycles(Task):
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Text: language modelling on a file, the ChaCAL paper's Section 5.3 (GPT-2 fine-tuned on
+# OpenWebText with ChaCAL swapped in, Table 3) at a size a laptop trains.
+
+GPT2_VOCAB = 50257  # GPT-2's BPE tokens: what a .bin file holds, and what GPT-2's weights read
+
+
+def python_docs_corpus(cache_dir="data_cache"):
+    """Path of the default corpus: English that ships with Python, so nothing is downloaded.
+    The help topics of pydoc_data (what help("assert") prints), sorted by name, then every
+    docstring of 200 characters or more in the standard library's top-level modules, read from
+    their source with ast, in file order. The same Python gives the same bytes; the file is
+    written once, under a temporary name then renamed, and its size and hash printed."""
+    import ast
+    import platform
+    import sysconfig
+    from pydoc_data.topics import topics
+    path = os.path.join(cache_dir, f"python{platform.python_version()}-docs.txt")
+    if os.path.exists(path):
+        return path
+    docs = [topics[name] for name in sorted(topics)]
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in sorted(n for n in os.listdir(stdlib) if n.endswith(".py")):
+        with open(os.path.join(stdlib, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 200:
+                    docs.append(doc)
+    corpus = "\n\n".join(docs).encode("utf-8")
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        f.write(corpus)
+    os.replace(path + ".tmp", path)
+    print(f"text: built the default corpus {path} from Python {platform.python_version()}'s "
+          f"help topics and docstrings")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def gpt2_tokenizer():
+    try:
+        import transformers
+        return transformers.AutoTokenizer.from_pretrained("gpt2")
+    except Exception as error:  # not installed, or not downloaded and offline
+        raise ValueError(f"text: GPT-2 tokens need GPT-2's tokenizer (pip install "
+                         f"transformers, and a network once): {type(error).__name__}") from None
+
+
+class Text(Task):
+    """Language modelling: predict every next token of a text file, split into a training part
+    (the first 90%) and a validation part (the last 10%, contiguous, so no window crosses into
+    training text). A file is read as bytes (vocabulary 256: no tokenizer, any language), or,
+    if its name ends in .bin, as GPT-2 token ids (uint16, as nanoGPT's openwebtext/prepare.py
+    writes them; vocabulary 50,257), which GPT-2's weights read (train.py --init_from gpt2).
+
+    A batch is random windows of context + 1 tokens; x is a window without its last token and
+    y without its first, so every position is scored against the token after it. With
+    context 8, the text "Tom's cat sat." starts a window as:
+
+        text    T    o    m    '    s         c    a    t
+        x      84  111  109   39  115   32   99   97         (UTF-8 bytes)
+        y     111  109   39  115   32   99   97  116         (x moved left by one)
+
+    There are no chains to count: chain_depth is 0 everywhere. evaluate() scores consecutive
+    windows from the start of the validation part (the same ones every time) and adds the
+    perplexity, exp(loss): the number of equally likely tokens the model is as unsure as.
+    data None is the default corpus (python_docs_corpus), built once in cache_dir.
+    """
+
+    generates_answer = True  # sample.py continues a prompt
+    stop_token = None
+    train_defaults = {"n_layer": 4, "lr": 1e-3, "eval_samples": 256}
+    flags = {"data": dict(help="text: a text file (read as bytes), or a .bin of GPT-2 token ids; "
+                                "default: English that ships with Python, built in data_cache/"),
+             "context": dict(type=int, help="text: tokens per training window (128)")}
+
+    def __init__(self, data=None, context=128, cache_dir="data_cache"):
+        if context < 1:
+            raise ValueError(f"--context {context} must be at least 1")
+        path = python_docs_corpus(cache_dir) if data is None else data
+        if not os.path.isfile(path):
+            raise ValueError(f"--data {path}: no such file")
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"--data {path}: the file is empty")
+        self.gpt2_tokens = path.endswith(".bin")
+        self.ids = np.memmap(path, dtype=np.uint16 if self.gpt2_tokens else np.uint8, mode="r")
+        self.vocab_size = GPT2_VOCAB if self.gpt2_tokens else 256
+        self.split_at = len(self.ids) - len(self.ids) // 10  # validation: the last 10%
+        n_test = len(self.ids) - self.split_at
+        if n_test < context + 1:
+            raise ValueError(f"--context {context}: the validation part of --data {path} (its "
+                             f"last 10%, {n_test} tokens) must hold a window of context + 1; "
+                             f"lower --context or give a longer file")
+        self.block_size, self.path = context, path
+        # What was trained on, in one line: the default corpus differs between Pythons.
+        unit = "GPT-2 tokens" if self.gpt2_tokens else "bytes"
+        digest = "" if data is not None else f", sha256 {hashlib.sha256(self.ids).hexdigest()[:16]}"
+        print(f"text: {path}, {len(self.ids):,} {unit}{digest}; the last {n_test:,} for validation")
+
+    def windows(self, starts):
+        """(x, y) (B, context) of the windows starting at positions `starts` (a list)."""
+        rows = self.ids[np.asarray(starts)[:, None] + np.arange(self.block_size + 1)]
+        rows = torch.from_numpy(rows.astype(np.int64))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def sample(self, batch_size, generator=None, split="train"):
+        first, end = (0, self.split_at) if split == "train" else (self.split_at, len(self.ids))
+        starts = torch.randint(first, end - self.block_size, (batch_size,), generator=generator)
+        return self.windows(starts.tolist())
+
+    def evaluation_batches(self, n_samples, batch_size, generator):
+        starts = range(self.split_at, len(self.ids) - self.block_size, self.block_size)
+        starts = starts[:n_samples]
+        for k in range(0, len(starts), batch_size):
+            yield self.windows(list(starts[k:k + batch_size]))
+
+    def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
+                 autocast=contextlib.nullcontext(), final=False):
+        metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
+        return {**metrics, "eval_perplexity": math.exp(metrics["eval_loss"])}
+
+    def chain_depth(self, x):
+        return torch.zeros_like(x)
+
+    def solve(self, x):
+        """The labels by looking each row up in the file: the tokens after where it first occurs
+        (a row that occurs twice with different next tokens would be labelled by the first)."""
+        corpus, width = self.ids.tobytes(), self.ids.itemsize
+        y = torch.empty_like(x)
+        for row, ids in enumerate(x.tolist()):
+            needle = np.asarray(ids, dtype=self.ids.dtype).tobytes()
+            at = corpus.find(needle)
+            while at % width:  # a match must start at a token, not inside one
+                at = corpus.find(needle, at + 1)
+            after = at // width + 1
+            y[row] = torch.from_numpy(self.ids[after:after + len(ids)].astype(np.int64))
+        return y
+
+    def encode(self, text):
+        ids = gpt2_tokenizer().encode(text) if self.gpt2_tokens else list(text.encode("utf-8"))
+        return torch.tensor(ids, dtype=torch.long)
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        if self.gpt2_tokens:
+            return gpt2_tokenizer().decode(ids)
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def example(self, generator, prompt=None, length=None):
+        """(prompt (1, T), T) for sample.py to continue: the typed prompt encoded, or the first
+        quarter of a random validation window. The prompt's length is kept for describe()."""
+        if length is not None:
+            return super().example(generator, length=length)
+        if prompt is None:
+            x = self.sample(1, generator, split="test")[0][:, :max(1, self.block_size // 4)]
+        else:
+            x = self.encode(prompt)[None]
+            if x.size(1) == 0:
+                raise ValueError("--prompt is empty; give some text to continue")
+        self.prompt_length = x.size(1)
+        return x, x.size(1)
+
+    def describe(self, x, y=None, predictions=None):
+        """The text of one sequence x (T,): its prompt (the last example()'s length), then the
+        rest, which the model wrote. With predictions, the model's guess at every next token."""
+        n = self.prompt_length if self.prompt_length is not None else x.size(0)
+        lines = [f"--- prompt ({n} tokens) ---", self.decode(x[:n])]
+        if n < x.size(0):
+            lines += [f"--- continuation ({x.size(0) - n} tokens) ---", self.decode(x[n:])]
+        if predictions is not None:
+            lines += ["--- the model's next-token guesses ---", self.decode(predictions)]
+        return "\n".join(lines)
+
+
 # The --task name of each task.
 TASKS = {
     "toy": PointerChains,
@@ -1562,6 +1740,7 @@ TASKS = {
     **{f"tomita{n}": functools.partial(Tomita, n) for n in (3, 4, 5, 6)},
     "lego": LEGO,
     "cycles": Cycles,
+    "text": Text,
 }
 # The tasks of the RegularGPT paper's Table 1: one label at the end, tested at unseen lengths.
 REGULAR_LANGUAGES = ["even_pairs", "parity", "cycle_navigation", "modular_arithmetic",
@@ -1593,8 +1772,13 @@ def task_options(name):
 
 def task_from_settings(settings):
     """The task of a run from its settings (train.py's flags, e.g. a checkpoint's "args"): the
-    task flags that task takes, where set; the rest keep the task's defaults."""
+    task flags that task takes, where set; the rest keep the task's defaults. A task flag set
+    for a task that does not take it is an error."""
     name = settings["task"]
+    stray = [flag for flag in task_flags() if settings.get(flag) is not None
+             and name in TASKS and flag not in task_options(name)]
+    if stray:
+        raise ValueError(f"--{stray[0]} is not an option of --task {name}; drop it")
     return get_task(name, **{k: settings[k] for k in task_options(name)
                              if settings.get(k) is not None})
 

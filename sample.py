@@ -5,11 +5,12 @@ Run a trained model on one example of its task and print its answers beside the 
     python sample.py --prompt "5 9 1 0 ..."   # your own input (toy: token ids; boxes: the prompt text)
     python sample.py --no_cache               # recompute the whole prefix for every token (slow path)
     python sample.py --out_dir out-parity --length 300   # a regular language, past its training lengths
+    python sample.py --out_dir out-text --prompt "The assert statement"   # text: a continuation
 
 The task decides what the model does with the example. Most tasks give a sequence that the model
 reads as a decoder would: a prompt at once (for ChaCAL, one triangular solve), then one token at a
 time against the per-layer cache, its prediction at each position being its answer there. A task
-that generates_answer (boxes) gives a prompt, after which the model writes its answer greedily.
+that generates_answer (boxes, text) gives a prompt, after which the model writes greedily.
 The cache changes only the speed. A bidirectional model, or one that cannot keep a cache
 (adaptive depth, LEGO attention), reads the whole sequence in one pass.
 """
@@ -41,7 +42,7 @@ def main(argv=None):
     parser = OneLineErrors(prog="sample.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--out_dir", default="out", help="the run whose ckpt.pt to load")
     parser.add_argument("--prompt", default=None, help="your own input, in the task's words "
-                        "(toy: token ids; boxes: the prompt text); default: a fresh test example")
+                        "(toy: token ids; boxes, text: the text); default: a fresh test example")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh example")
     parser.add_argument("--length", type=int, default=None, help="regular languages: length of "
                         "the fresh example (default: a training length); longer tests extrapolation")

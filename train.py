@@ -7,10 +7,9 @@ Train a GPT with standard or ChaCAL attention on a task, with fresh data every s
     python train.py --resume                                  # continue the run in out/ exactly
     python train.py --attn dilated --share_weights --pos none --task parity   # RegularGPT, C = 2
 
-Every evaluation saves out_dir/ckpt.pt (model, optimizer, step, RNG states, every evaluation so
-far), then out_dir/metrics.jsonl (a JSON line per evaluation), each written aside and renamed, so a
-run killed at any moment resumes from its last checkpoint. Tasks evaluate themselves
-(data.Task.evaluate): this file knows none by name. main([...flags...]) returns a summary.
+Every evaluation saves out_dir/ckpt.pt (model, optimizer, step, RNG states, all evaluations so
+far), then out_dir/metrics.jsonl, each written aside and renamed, so a run killed at any moment
+resumes from its last checkpoint. Tasks evaluate themselves: this file knows none by name.
 """
 
 import argparse
@@ -26,14 +25,13 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-from attention import ATTENTIONS, mimicking_loss
-from data import TASKS, task_class, task_flags, task_from_settings, task_options
+from attention import ATTENTIONS, mimic
+from data import TASKS, task_class, task_flags, task_from_settings
 from model import GPT, GPTConfig
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """argparse, but a bad flag prints one line naming it, not the whole usage above it; and
-    --help shows each flag's default, unless it is None (its help then says what it means)."""
+    """argparse, but a bad flag prints one line naming it; --help shows defaults other than None."""
 
     def __init__(self, **kwargs):
         super().__init__(formatter_class=DefaultsShown, allow_abbrev=False, **kwargs)
@@ -48,8 +46,7 @@ class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser():
-    parser = OneLineErrors(prog="train.py",
-                           description="Train a GPT with standard or ChaCAL attention on a task.")
+    parser = OneLineErrors(prog="train.py", description=__doc__.split("\n\n")[0].strip())
     add = parser.add_argument
     add("--task", default="toy", choices=list(TASKS), metavar="TASK", help="what to learn: "
         + ", ".join(TASKS) + " (a task may change the defaults of some flags: the run says which)")
@@ -98,6 +95,8 @@ def build_parser():
     add("--out_dir", default="out", help="where ckpt.pt and metrics.jsonl go; a fresh run "
         "replaces an earlier one there only when it saves its first checkpoint")
     add("--resume", action="store_true", help="continue the run in out_dir; typed flags override")
+    add("--init_from", help="start a fresh run from trained weights: a run directory of ours, or a "
+        "GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this --attn, --gamma, --dropout")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, mps, cpu")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -131,10 +130,8 @@ def pick_device(name):
 
 def synchronize(device):
     """Wait for the work queued on a GPU, so that a clock read next measures it, not its launch."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    elif device == "mps":
-        torch.mps.synchronize()
+    if device in ("cuda", "mps"):
+        getattr(torch, device).synchronize()
 
 
 def learning_rate(step, args):
@@ -177,9 +174,12 @@ def parse_args(argv=None):
         args.n_layer = args.n_layer or ("auto" if args.share_weights else 1)
         args.norm = args.norm or ("post" if args.n_layer == "auto" else "pre")
         check_numbers(args)
-        task = make_task(args, parser)
-        config = model_config(args, task)
-        if checkpoint is not None:  # (without positions, block_size bounds nothing learned)
+        task = task_from_settings(vars(args))
+        if args.init_from:  # the model of the weights (resuming, of the run's own checkpoint)
+            config, checkpoint = initial_weights(args, task, typed, checkpoint)
+        else:
+            config = model_config(args, task)
+        if args.resume:  # (without positions, block_size bounds nothing learned)
             changed = [k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v
                        and not (k == "block_size" and config.pos == "none")]
             if changed:
@@ -224,18 +224,6 @@ def check_numbers(args):
         raise ValueError(f"--seed {args.seed} must lie in [0, 2^63)")
 
 
-def make_task(args, parser):
-    """The task of --task, from the task flags that are set (typed or saved): each must be a
-    parameter of that task's constructor (data.task_options)."""
-    accepted = task_options(args.task)
-    for group in parser._action_groups:
-        for action in group._group_actions if group.title.startswith("task options") else []:
-            if getattr(args, action.dest, None) is not None and action.dest not in accepted:
-                raise ValueError(f"{action.option_strings[0]} is not an option of --task "
-                                 f"{args.task}; drop it")
-    return task_from_settings(vars(args))
-
-
 def model_config(args, task):
     """The GPTConfig of a run, after the checks that need both the model and the task."""
     block_size = args.block_size or task.block_size
@@ -264,13 +252,39 @@ def model_config(args, task):
     return config
 
 
+def initial_weights(args, task, typed, checkpoint=None):
+    """--init_from: (config, weights) of a run's model or a GPT-2's, with this command's --attn,
+    --gamma and --dropout; a typed flag changing its shape is an error. (Resuming: its own.)"""
+    if checkpoint is None and os.path.exists(os.path.join(args.init_from, "ckpt.pt")):
+        checkpoint = load_checkpoint(args.init_from, flag="--init_from", needs=())
+    elif checkpoint is None:  # a name, or a directory of transformers' save_pretrained
+        try:
+            gpt2 = GPT.from_pretrained(args.init_from)
+        except (ImportError, OSError) as error:
+            raise ValueError(f"--init_from {args.init_from}: not a run directory, nor a GPT-2 "
+                             f"that transformers can load ({type(error).__name__})") from None
+        checkpoint = {"config": asdict(gpt2.config), "model": gpt2.state_dict()}
+    swap = dict(attn=args.attn, gamma=args.gamma, dropout=args.dropout)
+    config = GPTConfig(**{**checkpoint["config"], **swap})
+    needed = {"vocab_size": task.vocab_size, "block_size": max(task.block_size, config.block_size),
+              **{k: v for k, v in typed.items() if k in checkpoint["config"] and k not in swap}}
+    for name, value in needed.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"--init_from {args.init_from}: its model has {name} "
+                             f"{getattr(config, name)}, where this run needs {value}")
+    with torch.device("meta"):  # e.g. lego attention has weights standard attention has not
+        if GPT(config).state_dict().keys() != checkpoint["model"].keys():
+            raise ValueError(f"--attn {args.attn} needs weights the model of --init_from lacks")
+    return config, checkpoint
+
+
 def load_checkpoint(out_dir, flag="--resume", needs=("optimizer", "metrics", "rng")):
     """out_dir/ckpt.pt as a dict, or a ValueError that names the file and what to do. A
     checkpoint holds tensors, numbers and strings only, so loading one runs no code."""
     path = os.path.join(out_dir, "ckpt.pt")
     if not os.path.isfile(path):
         raise ValueError(f"{flag}: no checkpoint at {path}; train a run there first, or point "
-                         f"--out_dir at one")
+                         f"{'--out_dir' if flag == '--resume' else flag} at one")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         assert {"model", "config", "args", "step", *needs} <= checkpoint.keys()
@@ -306,23 +320,6 @@ def save_run(out_dir, model, optimizer, args, step, train_time, rngs, metrics):
     os.replace(path + ".tmp", path)
 
 
-def mimic(model, task, args, generator, device, autocast):
-    """LEGO's mimicking initialisation: the attention maps alone are trained, on unlabelled
-    sequences of the task, before the usual training. Returns the losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), args.lr, (args.beta1, args.beta2), weight_decay=0)
-    losses = []
-    for _ in tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress):
-        x = task.sample(args.batch_size, generator)[0].to(device)
-        with autocast:
-            loss = mimicking_loss(model.attention_maps(x), x, model.config.causal)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    print(f"mimicking: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.mimic_iters} steps")
-    return losses
-
-
 def set_up(args, config, checkpoint):
     """The model, optimizer and random streams, fresh or as the checkpoint left them."""
     torch.manual_seed(args.seed)
@@ -331,8 +328,9 @@ def set_up(args, config, checkpoint):
     data_rng = torch.Generator().manual_seed(args.seed)      # training batches
     eval_rng = torch.Generator().manual_seed(args.seed + 1)  # test batches, never seen in training
     state = {"step": 0, "train_time": 0.0, "metrics": []}
-    if checkpoint is not None:
+    if checkpoint is not None:  # resuming, or starting from the weights of --init_from
         model.load_state_dict(checkpoint["model"])
+    if args.resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
         for group in optimizer.param_groups:  # the saved moments, with the betas of this command
             group["betas"] = (args.beta1, args.beta2)
@@ -429,9 +427,12 @@ def main(argv=None):
     resuming = f", resuming at step {state['step']}" if state["step"] else ""
     print(f"{args.task}: {config.describe()}, {model.num_params() / 1e6:.2f}M parameters, "
           f"{args.device} {args.dtype}{resuming}")
-    if args.mimic_iters and state["step"] == 0:  # kept in the first record
-        losses = mimic(model, task, args, rngs[0], args.device, autocast)
-        state["first_record"] = {"mimic_loss": [losses[0], losses[-1]]}
+    if args.mimic_iters and state["step"] == 0:  # LEGO's, on unlabelled sequences of the task
+        batches = (task.sample(args.batch_size, rngs[0])[0].to(args.device) for _ in
+                   tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress))
+        losses = mimic(model, batches, args.lr, (args.beta1, args.beta2), autocast)
+        print(f"mimicking: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.mimic_iters} steps")
+        state["first_record"] = {"mimic_loss": [losses[0], losses[-1]]}  # kept in the first record
     try:
         train_loop(args, model, optimizer, task, rngs, state, autocast)
     except KeyboardInterrupt:

@@ -1,0 +1,189 @@
+"""The text task (language modelling on a file, bytes or GPT-2 tokens), and train.py's
+--init_from, which starts a run from trained weights (ours, or a GPT-2's) with ChaCAL swapped in."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import sample
+import train
+from data import Text, get_task, python_docs_corpus
+from model import GPT, GPTConfig
+
+TINY = ["--task", "text", "--n_layer", "2", "--n_embd", "32", "--n_head", "2", "--context", "16",
+        "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 20,000-byte text of random words: every 16-byte window occurs once, so solve() can find it."""
+    rng = random.Random(0)
+    words = ["tom", "cat", "sat", "on", "the", "mat", "and", "a", "box", "moved", "key", "in"]
+    text = " ".join(rng.choice(words) + rng.choice(["", "", ",", "."]) for _ in range(5000))
+    path = tmp_path_factory.mktemp("text") / "words.txt"
+    path.write_bytes(text.encode()[:20_000])
+    return path
+
+
+def test_the_default_corpus_is_the_same_bytes_every_time(tmp_path, capsys):
+    first = open(python_docs_corpus(tmp_path / "a"), "rb").read()
+    second = open(python_docs_corpus(tmp_path / "b"), "rb").read()
+    assert first == second and len(first) > 500_000
+    assert "help topics" in capsys.readouterr().out
+    python_docs_corpus(tmp_path / "a")  # cached: not built again
+    assert capsys.readouterr().out == ""
+    hashes = []
+    for cache in ("a", "b"):
+        task = Text(cache_dir=tmp_path / cache)
+        hashes.append(capsys.readouterr().out.split("sha256 ")[1].split(";")[0])
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 16
+    assert task.vocab_size == 256 and task.block_size == 128
+    assert len(first.decode("utf-8")) > 0.99 * len(first)  # English, nearly all ASCII
+
+
+def test_the_last_tenth_is_validation_and_windows_stay_on_their_side(corpus):
+    task = get_task("text", data=str(corpus), context=16)
+    assert len(task.ids) == 20_000 and task.split_at == 18_000
+    text = corpus.read_bytes()
+    for split, inside in (("train", lambda at: at + 17 <= 18_000), ("test", lambda at: at >= 18_000)):
+        x, _ = task.sample(64, torch.Generator().manual_seed(0), split=split)
+        assert all(inside(text.find(bytes(row))) for row in x.tolist())
+    starts = [text.find(bytes(x[0].tolist())) for x, _ in task.evaluation_batches(300, 32, None)]
+    assert starts == [18_000 + 16 * 32 * k for k in range(4)]  # consecutive windows, 124 of them
+    assert sum(len(x) for x, _ in task.evaluation_batches(300, 32, None)) == (2000 - 1) // 16  # each needs 17
+
+
+def test_labels_are_the_next_bytes_against_the_brute_force_solver(corpus):
+    task = get_task("text", data=str(corpus), context=16)
+    x, y = task.sample(32, torch.Generator().manual_seed(1))
+    assert x.shape == y.shape == (32, 16) and torch.equal(y[:, :-1], x[:, 1:])
+    assert torch.equal(y, task.solve(x))  # every position scored, the last one included
+    assert (task.chain_depth(x) == 0).all()
+
+
+def test_the_worked_example_of_the_docstring(tmp_path):
+    path = tmp_path / "tom.txt"
+    path.write_text("Tom's cat sat." * 10)
+    task = get_task("text", data=str(path), context=8)
+    x, y = task.windows([0])
+    assert x.tolist() == [[84, 111, 109, 39, 115, 32, 99, 97]]
+    assert y.tolist() == [[111, 109, 39, 115, 32, 99, 97, 116]]
+    assert task.decode(x[0]) == "Tom's ca" and task.decode([0xE2, 0x9C]) == "\ufffd"
+
+
+def test_gpt2_token_files_are_read_as_uint16(tmp_path):
+    ids = np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16)
+    ids.tofile(tmp_path / "tokens.bin")
+    task = get_task("text", data=str(tmp_path / "tokens.bin"), context=32)
+    assert task.vocab_size == 50257 and len(task.ids) == 3000
+    x, y = task.sample(8, torch.Generator().manual_seed(0))
+    assert x.max() < 50257 and torch.equal(y, task.solve(x))
+
+
+def test_perplexity_is_exp_of_the_validation_loss(corpus):
+    task = get_task("text", data=str(corpus), context=16)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=256, n_layer=1, n_head=2, n_embd=16))
+    metrics = task.evaluate(model, 64, 16, torch.Generator())
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert 200 < metrics["eval_perplexity"] < 330  # an untrained model: near 256, uniform
+    assert metrics == task.evaluate(model, 64, 16, torch.Generator().manual_seed(5))  # fixed windows
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--data", "no/such/file.txt"], "--data"),
+    (["--data", "EMPTY"], "--data"),
+    (["--data", "SHORT"], "--context"),
+    (["--context", "0"], "--context"),
+    (["--task", "toy", "--data", "SHORT"], "--data"),
+    (["--data", "WORDS", "--init_from", "EMPTYDIR"], "--init_from"),  # no ckpt.pt, nor a GPT-2
+])
+def test_bad_input_fails_at_start_with_one_line_naming_the_flag(flags, named, corpus, tmp_path,
+                                                                capsys):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "short.txt").write_text("ten bytes!" * 10)  # validation: 10 bytes < context + 1
+    (tmp_path / "nothing").mkdir()
+    names = {"EMPTY": str(tmp_path / "empty.txt"), "SHORT": str(tmp_path / "short.txt"),
+             "EMPTYDIR": str(tmp_path / "nothing"), "WORDS": str(corpus)}
+    flags = [names.get(flag, flag) for flag in flags]
+    with pytest.raises(SystemExit):
+        train.main(TINY + flags + ["--out_dir", str(tmp_path / "out")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and named in error[0], error
+
+
+def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_path, capsys):
+    summary = train.main(TINY + ["--data", str(corpus), "--max_iters", "30", "--lr", "3e-3",
+                                 "--out_dir", str(tmp_path)])
+    final = summary["final"]
+    assert final["eval_perplexity"] == pytest.approx(math.exp(final["eval_loss"]))
+    assert final["eval_loss"] < math.log(256)  # it learned something of the words
+    capsys.readouterr()
+    texts = []
+    for extra in ([], ["--no_cache"]):
+        sample.main(["--out_dir", str(tmp_path), "--prompt", "the cat", "--device", "cpu"] + extra)
+        out = capsys.readouterr().out
+        assert "--- prompt (7 tokens) ---\nthe cat\n--- continuation (9 tokens) ---" in out
+        texts.append(out.split("--- continuation (9 tokens) ---\n")[1].splitlines()[0])
+    assert texts[0] == texts[1]
+    sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])  # a validation window's start
+    assert "--- prompt (4 tokens) ---" in capsys.readouterr().out
+
+
+def first_step(argv):
+    return train.main(argv + ["--max_iters", "1", "--eval_interval", "1"])["final"]["train_loss"]
+
+
+def test_init_from_our_run_with_chacal_at_gamma_0_trains_as_standard_attention(corpus, tmp_path):
+    flags = TINY + ["--data", str(corpus), "--attn", "standard"]
+    train.main(flags + ["--max_iters", "4", "--out_dir", str(tmp_path / "pre")])
+    start = ["--init_from", str(tmp_path / "pre"), "--seed", "7"]
+    standard = first_step(flags + start + ["--out_dir", str(tmp_path / "standard")])
+    chacal = first_step(flags + start + ["--attn", "chacal", "--gamma", "0",
+                                         "--out_dir", str(tmp_path / "chacal")])
+    fresh = first_step(flags + ["--seed", "7", "--out_dir", str(tmp_path / "fresh")])
+    assert chacal == pytest.approx(standard, abs=1e-5) and abs(fresh - standard) > 1e-3
+    saved = torch.load(tmp_path / "chacal" / "ckpt.pt", weights_only=True)
+    assert saved["config"]["attn"] == "chacal" and saved["step"] == 1
+    # It continues as any run does, from its own checkpoint (the run it started from aside).
+    resumed = train.main(["--resume", "--max_iters", "2", "--no-progress", "--out_dir",
+                          str(tmp_path / "chacal")])
+    assert [m["step"] for m in resumed["metrics"]] == [1, 2]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--n_embd", "64"], "n_embd 32"),
+    (["--context", "32"], "block_size 16"),
+    (["--data", "TOKENS"], "vocab_size 256"),  # GPT-2 tokens, where the model read bytes
+    (["--attn", "lego_v0"], "--attn lego_v0"),
+])
+def test_init_from_a_model_of_another_shape_fails_with_one_line(flags, named, corpus, tmp_path,
+                                                               capsys):
+    train.main(TINY + ["--data", str(corpus), "--max_iters", "2", "--out_dir", str(tmp_path / "pre")])
+    np.zeros(1000, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    flags = [str(tmp_path / "tokens.bin") if flag == "TOKENS" else flag for flag in flags]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--data", str(corpus)] + flags
+                   + ["--init_from", str(tmp_path / "pre"), "--out_dir", str(tmp_path / "b")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and named in error[0] and ("--init_from" in error[0]
+                                                      or "--attn" in error[0]), error
+
+
+def test_init_from_a_gpt2_swaps_chacal_in(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2-tiny")
+    np.random.default_rng(0).integers(0, 50257, 2000).astype(np.uint16).tofile(tmp_path / "t.bin")
+    flags = TINY[:1] + ["text", "--data", str(tmp_path / "t.bin"), "--context", "16",
+                        "--batch_size", "4", "--eval_samples", "8", "--no-progress", "--device",
+                        "cpu", "--init_from", str(tmp_path / "gpt2-tiny")]
+    standard = first_step(flags + ["--attn", "standard", "--out_dir", str(tmp_path / "s")])
+    chacal = first_step(flags + ["--attn", "chacal", "--gamma", "0", "--out_dir", str(tmp_path / "c")])
+    assert chacal == pytest.approx(standard, abs=1e-5)
+    assert abs(standard - math.log(50257)) < 0.5  # a random GPT-2: about uniform
