@@ -148,7 +148,7 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 
 
 # The blocked path's rows per block, and the number of new tokens from which chacal_attention
-# takes it unasked, both measured on a 2-core CPU (bench.py --long-only, table 6b, fp32, d 128):
+# takes it unasked, both measured on a 2-core CPU (bench.py --long_only, table 6b, fp32, d 128):
 # forward + backward, blocks of 32 beat blocks of 64 or 128 up to T = 512 and match them beyond;
 # the one-solve path is faster up to T = 64 (its T x T matrices are still small there), the
 # blocked one from T = 128 on (0.8x the time at 128, 0.2-0.4x at 256).

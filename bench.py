@@ -19,7 +19,7 @@ Six tables:
 6. long sequences (T = 512 ... 8192, one sequence of the size above): time and peak memory of
    the attention core's forward + backward for fused standard attention, ChaCAL's one solve and
    ChaCAL's blocked solve, then (6b) ChaCAL's automatic choice of path against both paths at
-   T = 32 ... 512 (`python bench.py --long-only` prints these tables alone).
+   T = 32 ... 512 (`python bench.py --long_only` prints these tables alone).
 
 On a GPU a last line trains one ChaCAL layer at the paper's size to 99.9% test accuracy and
 reports the training seconds it took. Each target of the project is printed beside its figure.
@@ -268,7 +268,7 @@ def main():
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                         help="auto picks cuda, then mps, then cpu")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
-    parser.add_argument("--long-only", action="store_true",
+    parser.add_argument("--long_only", action="store_true",
                         help="only table 6, long sequences: fused, one-solve and blocked ChaCAL")
     args = parser.parse_args()
     if args.repeats < 1:

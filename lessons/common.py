@@ -79,8 +79,7 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
     parser = train.build_parser()
     out_dirs = [parser.parse_known_args(argv)[0].out_dir for argv in argvs]
     if resume_saved:
-        argvs = [list(argv) + ["--resume"] * os.path.exists(os.path.join(out_dir, "ckpt.pt"))
-                 for argv, out_dir in zip(argvs, out_dirs)]
+        argvs = [reuse_if_saved(argv) for argv in argvs]
     if jobs == 1:
         return [train.main(argv) for argv in argvs]
     context = multiprocessing.get_context("spawn")
@@ -107,6 +106,13 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
             pool.shutdown(cancel_futures=True)
             raise
         return [run.result() for run in running]
+
+
+def reuse_if_saved(argv):
+    """argv, with --resume if its out_dir holds a checkpoint: a finished run is then taken as it
+    is, an interrupted one continued. Lessons 00 and 01 share their toy-task runs so."""
+    out_dir = train.build_parser().parse_known_args(argv)[0].out_dir
+    return list(argv) + ["--resume"] * os.path.exists(os.path.join(out_dir, "ckpt.pt"))
 
 
 def main_logged(argv, log, threads):
