@@ -87,6 +87,16 @@ class Task:
                               stop_token=self.stop_token)
 
 
+    def predicted_answer(self, x, y, predictions):
+        """"model : " and the model's tokens where y (None: the solver's) scores, read with the true
+        answer before each, and how many are right: for describe() of a task that writes answers."""
+        y = self.solve(x[None])[0] if y is None else y
+        scored = y != -1
+        hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
+        return (f"model : {self.decode(predictions[scored])}  ({hits}/{n} tokens"
+                f"{', exact match' if hits == n else ''})")
+
+
 @torch.no_grad()
 def score_batches(model, batches, chain_depth, device="cpu", autocast=contextlib.nullcontext(),
                   layout=lambda x: {}):
@@ -689,11 +699,7 @@ class Boxes(Task):
         lines = [f"prompt: {decode(ids[1:sep])}",
                  f"truth : {render_answer(truth, with_empty=self.version == 'default')}"]
         if predictions is not None:
-            y = self.solve(x[None])[0] if y is None else y
-            scored = y != -1
-            hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
-            lines.append(f"model : {decode(predictions[scored])}  ({hits}/{n} tokens"
-                         f"{', exact match' if hits == n else ''})")
+            lines.append(self.predicted_answer(x, y, predictions))
         else:
             answer = decode(until_eos(ids[sep + 1:]))
             exact, boxes = self.score_answer(x[:sep + 1], answer)
@@ -1541,10 +1547,7 @@ class Cycles(Task):
         lines = [f"prompt: {self.decode(prompt)}",
                  f"truth : {self.decode(self.completion(prompt))}"]
         if predictions is not None:
-            y = self.solve(x[None])[0] if y is None else y
-            scored = y != -1
-            hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
-            lines.append(f"model : {self.decode(predictions[scored])}  ({hits}/{n} tokens)")
+            lines.append(self.predicted_answer(x, y, predictions))
         elif len(ids) > len(prompt):
             written = ids[len(prompt):]
             end = written.index(CYCLE_STOP) + 1 if CYCLE_STOP in written else len(written)
