@@ -26,7 +26,10 @@ SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available(
 REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICE_NAME = torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({os.cpu_count()} cores)"
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
+# Where runs go: out/ at the cpu and gpu scales, and apart from them at the smoke scale, so that
+# the tests' tiny runs never replace a lesson's real ones.
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
+                   *(["smoke"] if SCALE == "smoke" else []))
 
 
 # The paper's toy task (16 blocks of 8: chains of 15 hops), trained with one set of flags for every
