@@ -330,6 +330,8 @@ class CausalSelfAttention(nn.Module):
     Subclasses change how the heads mix their values by overriding `mix` alone.
     """
 
+    learned_maps = True  # heads 0 and 1 learn their maps (LEGO's mimicking shapes them)
+
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
@@ -622,6 +624,7 @@ class LEGOAttention(CausalSelfAttention):
 
     kernel_size = 21
     standard_heads = False  # v1 sets it: ordinary softmax heads beside the pathways
+    learned_maps = False    # its first heads are the fixed maps, which mimicking cannot shape
 
     def __init__(self, config):
         super().__init__(config)  # gives c_attn (used by v1 only), c_proj, dropout, maps

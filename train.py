@@ -240,9 +240,10 @@ def model_config(args, task):
                        args.bidirectional, n_layer=1 if adaptive else args.n_layer,
                        adaptive_depth=adaptive, broadcast_ids=tuple(task.broadcast_ids),
                        **{name: getattr(args, name) for name in same})
-    if args.mimic_iters and (config.n_head < 2 or "lego" in config.attn):
-        raise ValueError("--mimic_iters shapes the learned maps of heads 0 and 1 of each layer: "
-                         "it needs --n_head 2 or more, and --attn standard or chacal")
+    if args.mimic_iters and (config.n_head < 2 or not all(
+            ATTENTIONS[name].learned_maps for name in config.attention_per_layer())):
+        raise ValueError("--mimic_iters shapes the learned maps of heads 0 and 1 of each layer: it "
+                         "needs --n_head 2 or more, and an --attn whose heads learn their maps")
     with torch.device("meta"):  # counts the parameters without allocating them
         needed = 16 * GPT(config).num_params()  # bytes: weights, gradients, Adam's 2 moments
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -295,8 +296,7 @@ def load_checkpoint(out_dir, flag="--resume", needs=("optimizer", "metrics", "rn
 
 
 def load_model(out_dir, device="cpu"):
-    """The model a run saved in out_dir/ckpt.pt, in eval mode on device, and its checkpoint (its
-    "args" are the run's flags, its "step" how far it trained). For sample.py and the lessons."""
+    """(model in eval mode on device, checkpoint) of the run in out_dir: for sample.py, lessons."""
     checkpoint = load_checkpoint(out_dir, flag="--out_dir", needs=())
     model = GPT(GPTConfig(**checkpoint["config"])).to(device).eval()
     model.load_state_dict(checkpoint["model"])
