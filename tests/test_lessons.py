@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -115,3 +116,14 @@ def test_a_killed_parallel_run_is_named_as_killed(tmp_path):
         os.kill(worker.pid, signal.SIGKILL)
     caller.join(timeout=120)
     assert raised and "died without an error" in raised[0] and "fewer at a time" in raised[0]
+
+
+def test_the_gpu_scale_of_the_shared_toy_runs_passes_train_py_checks(tmp_path):
+    # The paper's sizes are never trained on a CPU; their flags must at least be valid.
+    script = ("import common, train\n"
+              "assert common.TOY_TABLE['layers'] == [1, 2, 3, 4, 5] and len(common.TOY_TABLE['seeds']) == 4\n"
+              "for attn, L in [('chacal', 1)] + [('standard', L) for L in common.TOY_TABLE['layers']]:\n"
+              f"    train.parse_args(common.toy_table_flags(attn, L, 0) + ['--device', 'cpu', '--out_dir', {str(tmp_path)!r}])\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=LESSONS, capture_output=True, text=True,
+                            env={**os.environ, "NANOCHACAL_SCALE": "gpu"}, timeout=120)
+    assert result.returncode == 0, result.stderr
