@@ -334,7 +334,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.head_size = config.n_head, config.n_embd // config.n_head
         self.causal = config.causal
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -346,12 +346,13 @@ class CausalSelfAttention(nn.Module):
 
 
     def queries_keys_values(self, x):
-        """x (B, T, C) -> q, k, v, each (B, nh, T, hs): one matmul, then split into heads."""
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        """x (B, T, C) -> q, k, v, each (B, nh, T, hs): one matmul, then split into heads. nh is
+        n_head, except in LEGO attention v1, whose c_attn serves only the heads it keeps."""
+        B, T, _ = x.size()
+        q, k, v = self.c_attn(x).chunk(3, dim=2)                    # (B, T, nh·hs) each
+        q = q.view(B, T, -1, self.head_size).transpose(1, 2)        # (B, nh, T, hs)
+        k = k.view(B, T, -1, self.head_size).transpose(1, 2)        # (B, nh, T, hs)
+        v = v.view(B, T, -1, self.head_size).transpose(1, 2)        # (B, nh, T, hs)
         return q, k, v
 
     def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
@@ -594,9 +595,11 @@ class LEGOAttention(CausalSelfAttention):
 
     each scaled so that its rows sum to 1. Manipulation, the local pattern, is a depthwise
     convolution of kernel 21 along the sequence. A pathway p learns only a value map W_p
-    (C -> hs), and its output takes the place of one head:
+    (C -> w), and the pathways take the place of heads, sharing their channels: in v0 of every
+    head, so with P = n_maps + 1 pathways each gets w = n_embd // P channels (the convolution
+    also takes any remainder), and out has the shape of standard attention's:
 
-        head_p    = A_p · X W_p            for p in asso, cls, sep        (B, T, hs) each
+        head_p    = A_p · X W_p            for p in asso, cls, sep        (B, T, w) each
         head_conv = DepthwiseConv21(X W_conv)
         out       = concat(head_asso, head_cls, head_sep, head_conv) W_o
 
@@ -605,8 +608,8 @@ class LEGOAttention(CausalSelfAttention):
     [SEP]; none when it is empty).
 
     Our choices, where the paper's Appendix C (the details) is missing:
-    - each pathway is one head of hs = n_embd / n_head channels, and the pathways are
-      concatenated and projected by c_proj (W_o) as ordinary heads are, rather than summed;
+    - the pathways share the channels of the heads they replace, and are concatenated and
+      projected by c_proj (W_o) as ordinary heads are, rather than summed;
     - the maps are rebuilt in every layer from the same ids (the paper builds them once and
       shares them; they are the same maps, and cheap);
     - a causal model removes the future from the maps before normalising, and pads the
@@ -623,21 +626,34 @@ class LEGOAttention(CausalSelfAttention):
     """
 
     kernel_size = 21
-    standard_heads = False  # v1 sets it: ordinary softmax heads beside the pathways
     learned_maps = False    # its first heads are the fixed maps, which mimicking cannot shape
+    attn_name = "lego_v0"   # its --attn name, for error messages
 
     def __init__(self, config):
-        super().__init__(config)  # gives c_attn (used by v1 only), c_proj, dropout, maps
-        C, hs = config.n_embd, config.n_embd // config.n_head
+        super().__init__(config)  # gives c_attn (resized by v1, dropped by v0), c_proj (C -> C)
+        C, hs = config.n_embd, self.head_size
         self.broadcast_ids = tuple(config.broadcast_ids)
         self.n_maps = 1 + len(self.broadcast_ids)  # association, then one map per broadcast id
+        self.n_standard = self.kept_heads(config.n_head)
+        # The pathways share the channels of the heads they replace.
+        shared, n_pathways = (config.n_head - self.n_standard) * hs, self.n_maps + 1
+        if shared < n_pathways:
+            raise ValueError(f"--attn {self.attn_name} shares {shared} channels among "
+                             f"{n_pathways} pathways: raise --n_embd so that each gets one")
+        self.map_width = shared // n_pathways
+        self.conv_width = shared - self.n_maps * self.map_width
         # The value maps of every pathway side by side: the fixed maps' first, the conv's last.
-        self.c_value = nn.Linear(C, (self.n_maps + 1) * hs, bias=config.bias)
-        self.conv = nn.Conv1d(hs, hs, self.kernel_size, groups=hs, bias=config.bias)  # depthwise
-        n_heads_out = self.n_maps + 1 + (config.n_head if self.standard_heads else 0)
-        self.c_proj = nn.Linear(n_heads_out * hs, C, bias=config.bias)
-        if not self.standard_heads:
+        self.c_value = nn.Linear(C, shared, bias=config.bias)
+        self.conv = nn.Conv1d(self.conv_width, self.conv_width, self.kernel_size,
+                              groups=self.conv_width, bias=config.bias)  # depthwise
+        if self.n_standard:  # queries, keys and values for the standard heads kept, no more
+            self.c_attn = nn.Linear(C, 3 * self.n_standard * hs, bias=config.bias)
+        else:
             del self.c_attn  # v0 learns no queries and keys
+
+    def kept_heads(self, n_head):
+        """How many of the n_head heads stay ordinary softmax heads: none in v0."""
+        return 0
 
     def fixed_maps(self, token_ids):
         """(B, n_maps, T, T) float: A_asso, then A_b for each broadcast id b; rows sum to 1."""
@@ -650,11 +666,11 @@ class LEGOAttention(CausalSelfAttention):
         return maps / maps.sum(dim=-1, keepdim=True).clamp(min=1)  # entries are 0/1: exact
 
     def manipulate(self, v):
-        """The convolution pathway on its values v (B, T, hs): returns (B, 1, T, hs)."""
+        """The convolution pathway on its values v (B, T, w): returns (B, T, w)."""
         reach = self.kernel_size - 1
         left = reach if self.causal else reach // 2          # causal: nothing from the future
-        v = F.pad(v.transpose(1, 2), (left, reach - left))   # (B, hs, T + 20)
-        return self.conv(v).transpose(1, 2).unsqueeze(1)
+        v = F.pad(v.transpose(1, 2), (left, reach - left))   # (B, w, T + 20)
+        return self.conv(v).transpose(1, 2)
 
     def attention_map(self, q, k, token_ids, depth):
         """The fixed maps, then (v1, q and k not None) the standard heads' softmax weights."""
@@ -670,35 +686,51 @@ class LEGOAttention(CausalSelfAttention):
             raise ValueError("--attn lego_v0/lego_v1 keep no decoding cache; generate with "
                              "use_cache=False")
         B, T, C = x.size()
-        hs = C // self.n_head
         if token_ids is None:  # a module on its own: negative ids, all distinct, none broadcast
             token_ids = torch.arange(-T, 0, device=x.device).expand(B, T)
-        values = self.c_value(x).view(B, T, self.n_maps + 1, hs).transpose(1, 2)
-        maps = self.fixed_maps(token_ids).to(values.dtype)                  # (B, n_maps, T, T)
-        heads = [maps @ values[:, :-1], self.manipulate(values[:, -1])]     # (B, ., T, hs)
+        map_values, conv_values = self.c_value(x).split(
+            [self.n_maps * self.map_width, self.conv_width], dim=2)
+        map_values = map_values.view(B, T, self.n_maps, self.map_width).transpose(1, 2)
+        maps = self.fixed_maps(token_ids).to(map_values.dtype)              # (B, n_maps, T, T)
+        y_maps = maps @ map_values                                          # (B, n_maps, T, w)
+        heads = [y_maps.transpose(1, 2).reshape(B, T, -1), self.manipulate(conv_values)]
         q = k = None
-        if self.standard_heads:
-            q, k, v = self.queries_keys_values(x)
-            heads.append(self.mix(q, k, v, None, depth))
+        if self.n_standard:
+            q, k, v = self.queries_keys_values(x)                           # (B, kept, T, hs)
+            y_standard = self.mix(q, k, v, None, depth)
+            heads.append(y_standard.transpose(1, 2).reshape(B, T, -1))
         if self.maps is not None:
             self.maps.append(self.attention_map(q, k, token_ids, depth))
-        y = torch.cat(heads, dim=1)                     # (B, n_maps + 1 [+ nh], T, hs)
-        y = y.transpose(1, 2).reshape(B, T, -1)         # heads side by side
+        y = torch.cat(heads, dim=2)                     # (B, T, pathways [+ kept·hs]) side by side
         return self.resid_dropout(self.c_proj(y))
 
 
 class LEGOAttentionV1(LEGOAttention):
-    """LEGO attention v1 (Figure 8, pathways (a), (b) and (c)): v0's pathways beside n_head
-    ordinary softmax heads, all concatenated, then projected by c_proj.
+    """LEGO attention v1 (Figure 8, pathways (a), (b) and (c)): the pathways take the place of
+    some of the standard heads, and every head is concatenated, then projected by c_proj.
 
-    Our choice: v1 keeps all n_head standard heads and adds the pathways as extra heads, so
-    c_proj reads (n_head + n_maps + 1) · hs channels. The paper's v1 is smaller than BERT, so it
-    must replace some heads, but how many is in the missing Appendix C. Keeping them all makes
-    v1 exactly standard attention plus the pathways (a comparison isolates what they add), and
-    v1 fits every --n_head / --n_embd that standard attention fits.
+    Of the n_head heads of hs channels, v1 keeps n_head // 2 ordinary softmax heads. The
+    pathways (association, one broadcast map per id, the convolution: P = n_maps + 1 of them)
+    take the place of the other n_head - n_head // 2 and share their channels: each gets
+    (n_head - n_head // 2)·hs // P, the convolution any remainder. c_proj reads n_embd
+    channels, as in standard attention and v0. At n_embd 128, n_head 4 and [CLS], [SEP]: 2
+    standard heads of 32 channels and 4 pathways of 16 (v0: 4 pathways of 32).
+
+    Why half: the paper's v1 replaces some of BERT's heads, and is smaller and cheaper than
+    BERT (Figure 9), but how many is in its missing Appendix C. Section 5 finds association,
+    manipulation and broadcasting in a considerable share of a pretrained BERT's heads; half,
+    rounded down, keeps at least one ordinary head and replaces at least one (n_head >= 2).
+    Any replaced head saves: it loses its queries and keys (2·n_embd·hs weights) and its
+    T x T softmax, and its channels go to pathways that learn only a value map.
     """
 
-    standard_heads = True
+    attn_name = "lego_v1"
+
+    def kept_heads(self, n_head):
+        if n_head < 2:
+            raise ValueError(f"--attn lego_v1 replaces half the heads with its pathways: it needs "
+                             f"--n_head 2 or more, not {n_head}")
+        return n_head // 2
 
 
 # -----------------------------------------------------------------------------

@@ -1106,13 +1106,23 @@ class Tomita(DFARecognition):
 # LEGO, Learning Equality and Group Operations (Zhang et al. 2022, Sections 2-4): a chain of
 # assignments written in shuffled order, every variable's value asked for at once.
 
-# Each group acts on its values by permutations: (op tokens, value tokens, images), where
-# images[g][v] is the value that op g sends value v to. S3's ops are named by their images:
-# p120 sends 0 to 1, 1 to 2 and 2 to 0; p012 is the identity.
+# Each group acts on a set of values: (op tokens, value tokens, images), where images[g][v] is
+# the index of the value that op g sends value v to. Z2 acts on {0, 1}. S3 acts on itself (the
+# paper's Task 2): its values are its own six elements, each written as its images (120 sends
+# 0 to 1, 1 to 2 and 2 to 0), its ops the same six with a p (p012 is the identity), and op g
+# sends value x to the product g·x, left multiplication.
+S3 = list(itertools.permutations(range(3)))  # (p(0), p(1), p(2)) for each permutation p
+
+
+def s3_product(g, x):
+    """g·x = g∘x: apply x first, then g, so i goes to g(x(i))."""
+    return tuple(g[x_i] for x_i in x)
+
+
 LEGO_GROUPS = {
     "z2": (["+", "-"], ["0", "1"], [[0, 1], [1, 0]]),
-    "s3": (["p" + "".join(map(str, p)) for p in itertools.permutations(range(3))], ["0", "1", "2"],
-           [list(p) for p in itertools.permutations(range(3))]),
+    "s3": (["p" + "".join(map(str, g)) for g in S3], ["".join(map(str, x)) for x in S3],
+           [[S3.index(s3_product(g, x)) for x in S3] for g in S3]),
 }
 LEGO_WORDS = ["[CLS]", "[SEP]", "=", ","] + list("abcdefghijklmnopqrstuvwxyz")
 LEGO_CLS, LEGO_SEP, LEGO_EQUALS, LEGO_COMMA, LEGO_FIRST_VARIABLE = range(5)
@@ -1134,8 +1144,9 @@ class LEGO(Task):
     predicts: training then sits at chance even on #0, and never climbs the chain.
 
     group="z2", the paper's Task 1: ops + (keep) and - (flip) on the values 0 and 1.
-    group="s3", Task 2: the six permutations of the values 0 1 2 (p012 ... p210, see
-    LEGO_GROUPS); `y = p120 x ,` sets y to where p120 sends the value of x.
+    group="s3", Task 2: S3 acting on itself. The values are the six permutations of 0 1 2,
+    each written as its images (012 ... 210), the ops the same six with a p (p012 ... p210, see
+    LEGO_GROUPS), and `y = p021 x ,` sets y to the product p021·x, left multiplication.
     The other ops, the root's value and the variables are uniform, so each value is uniform too.
 
     Worked example, z2, n = 3: the sentence [CLS] a = - c , b = + 1 , c = - b , [SEP] (the
@@ -1152,8 +1163,14 @@ class LEGO(Task):
     cannot know a when it reads it, so LEGO wants a bidirectional, BERT-like model (train.py
     --bidirectional), as in the paper.
 
+    Worked example, s3, n = 3: [CLS] b = p201 c , a = p012 120 , c = p021 a , [SEP], the chain
+    a -> c -> b. The root gives a = 120 (0->1, 1->2, 2->0). c = p021·a applies a, then p021
+    (0->0, 1->2, 2->1): 0->1->2, 1->2->1, 2->0->0, so c = 210. b = p201·c: 0->2->1, 1->1->0,
+    2->0->2, so b = 102. Resolved: #0 a=120  #1 c=210  #2 b=102. Multiplying on the right
+    instead would give c = a·p021 = 102: S3 is not abelian, so the order is part of the task.
+
     Vocabulary: [CLS] [SEP] = , a..z, then the group's ops, then its values: 34 tokens for
-    z2, 39 for s3. broadcast_ids = ([CLS], [SEP]) for LEGO attention; values = the value
+    z2, 42 for s3. broadcast_ids = ([CLS], [SEP]) for LEGO attention; values = the value
     token ids, the only possible labels.
 
     Scored: every chain position, or #0..#n_supervised-1 only (the paper trains on #0..#5 of
@@ -1163,7 +1180,8 @@ class LEGO(Task):
     Sentences are fresh every batch (the paper draws a fixed 120k set once).
     """
 
-    flags = {"group": dict(choices=["z2", "s3"], help="lego: Task 1 (+/- on 0, 1) or 2 (S3) (z2)"),
+    flags = {"group": dict(choices=["z2", "s3"],
+                           help="lego: Task 1 (+/- on 0, 1) or 2 (S3 acting on itself) (z2)"),
              "n_vars": dict(type=int, help="lego: clauses (variables) per sentence (12)"),
              "n_supervised": dict(type=int, help="lego: train on chain positions #0.."
                                   "#n_supervised-1 only (all); the test scores all"),
@@ -1247,11 +1265,12 @@ class LEGO(Task):
 
     @staticmethod
     def apply(op, value):
-        """What op (its token) does to a value (an int): + keeps, - flips, pABC sends v to
-        digit v of ABC."""
+        """The value (a token) that op (a token) gives value: + keeps, - flips; in S3, pABC
+        and a value XYZ are the permutations i -> (digit i of ABC) and i -> (digit i of XYZ),
+        and the result is their product pABC·XYZ, i -> ABC[XYZ[i]]."""
         if op in "+-":
-            return value if op == "+" else 1 - value
-        return int(op[1 + value])
+            return value if op == "+" else str(1 - int(value))
+        return "".join(op[1 + int(digit)] for digit in value)
 
     def solve(self, x):
         """Labels of x (B, T) by hand: read each row's clauses as words, then pass over them
@@ -1266,13 +1285,13 @@ class LEGO(Task):
                 n_known = len(known)
                 for variable, _, op, argument, _ in clauses:
                     if argument in self.value_words:
-                        known[variable] = self.apply(op, int(argument))
+                        known[variable] = self.apply(op, argument)
                     elif argument in known:
                         known[variable] = self.apply(op, known[argument])
                 if len(known) == n_known:
                     raise ValueError(f"lego: row {row} is not one chain: {' '.join(words)}")
             for s, clause in enumerate(clauses):
-                y[row, 1 + 5 * s] = self.token_ids[str(known[clause[0]])]
+                y[row, 1 + 5 * s] = self.token_ids[known[clause[0]]]
         return y
 
     def encode(self, text):

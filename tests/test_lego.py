@@ -1,9 +1,13 @@
 """LEGO: the task's labels against a resolver written apart, and LEGO attention against its
 definitions (maps built by explicit loops, causality, a GPT that trains with it)."""
 
+import itertools
+import math
+
 import pytest
 import torch
 
+import bench
 from attention import ATTENTIONS, mimic, mimicking_loss, mimicking_targets
 from data import LEGO, get_task
 from model import GPT, GPTConfig
@@ -69,7 +73,8 @@ def test_every_clause_is_five_tokens_and_the_variables_are_distinct(group, n_var
             assert argument in task.value_words or argument in variables
         assert sum(clause[3] in task.value_words for clause in clauses) == 1  # one root
         root = next(clause for clause in clauses if clause[3] in task.value_words)
-        assert root[2] == task.ops[0] and LEGO.apply(root[2], 0) == 0  # the identity
+        assert root[2] == task.ops[0]
+        assert all(LEGO.apply(root[2], value) == value for value in task.value_words)  # identity
 
 
 @pytest.mark.parametrize("group", ["z2", "s3"])
@@ -116,12 +121,83 @@ def test_the_docstring_example():
 
 def test_vocabularies_and_what_the_model_is_built_for():
     z2, s3 = get_task("lego", group="z2"), get_task("lego", group="s3")
-    assert (z2.vocab_size, s3.vocab_size) == (34, 39)
+    assert (z2.vocab_size, s3.vocab_size) == (34, 42)
     for task in (z2, s3):
         assert [task.vocab[i] for i in task.broadcast_ids] == ["[CLS]", "[SEP]"]
         assert [task.vocab[i] for i in task.values] == task.value_words
-    assert s3.value_words == ["0", "1", "2"] and len(set(s3.ops)) == 6
-    assert LEGO.apply("p120", 0) == 1 and LEGO.apply("p120", 2) == 0 and LEGO.apply("-", 0) == 1
+    assert s3.value_words == ["012", "021", "102", "120", "201", "210"]
+    assert s3.ops == ["p" + value for value in s3.value_words]
+    assert LEGO.apply("p120", "012") == "120" and LEGO.apply("-", "0") == "1"
+    assert s3.decode(s3.encode("p021 210")) == "p021 210"
+
+
+# S3 by brute force: every element a tuple (p(0), p(1), p(2)) from itertools, products written out.
+
+def element(word):
+    """The permutation a value word (120) or an op word (p120) names: i -> digit i."""
+    return tuple(int(digit) for digit in word.removeprefix("p"))
+
+
+def left_product(g, x):
+    """g·x: x first, then g."""
+    return tuple(g[x[i]] for i in range(3))
+
+
+def right_product(g, x):
+    """x·g: g first, then x. Not what LEGO's clause means; the tests show it gives other labels."""
+    return tuple(x[g[i]] for i in range(3))
+
+
+def resolve_s3(words, product):
+    """{variable: value word} of one sentence (its words, [CLS] .. [SEP]): start at the clause
+    whose argument is a value, then follow the chain, setting each variable to product(op, the
+    value before it)."""
+    clauses = [words[s:s + 5] for s in range(1, len(words) - 1, 5)]
+    reading = {clause[3]: clause for clause in clauses}  # the clause that reads each argument
+    clause = next(clause for clause in clauses if clause[3] not in {c[0] for c in clauses})
+    values = {clause[0]: product(element(clause[2]), element(clause[3]))}
+    while clause[0] in reading:
+        previous, clause = clause[0], reading[clause[0]]
+        values[clause[0]] = product(element(clause[2]), values[previous])
+    assert len(values) == len(clauses)
+    return {variable: "".join(map(str, value)) for variable, value in values.items()}
+
+
+def test_s3_acts_on_itself_its_ops_and_values_are_the_six_permutations():
+    task = get_task("lego", group="s3")
+    group = set(itertools.permutations(range(3)))
+    assert {element(w) for w in task.value_words} == {element(w) for w in task.ops} == group
+    for op, row in zip(task.ops, task.images.tolist()):  # every product, against the table
+        for value, image in zip(task.value_words, row):
+            expected = left_product(element(op), element(value))
+            assert element(task.value_words[image]) == expected == element(LEGO.apply(op, value))
+
+
+def test_s3_labels_match_a_brute_force_left_multiplication_and_not_the_right_one():
+    task = get_task("lego", group="s3", n_vars=6)
+    x, y = batch(task, 200)
+    rows_where_the_order_matters = 0
+    for ids, labels in zip(x.tolist(), y.tolist()):
+        words = [task.vocab[i] for i in ids]
+        left, right = resolve_s3(words, left_product), resolve_s3(words, right_product)
+        assert [task.vocab[labels[t]] for t in range(1, len(words) - 1, 5)] == \
+               [left[words[t]] for t in range(1, len(words) - 1, 5)]
+        rows_where_the_order_matters += left != right
+    assert rows_where_the_order_matters > 100  # most chains of 6 tell g·x from x·g
+
+
+def test_the_s3_docstring_example():
+    sentence = "[CLS] b = p201 c , a = p012 120 , c = p021 a , [SEP]"
+    resolved = "#0 a=120  #1 c=210  #2 b=102"
+    doc = " ".join(LEGO.__doc__.split())
+    assert sentence in doc and " ".join(resolved.split()) in doc
+    task = get_task("lego", group="s3", n_vars=3)
+    x = task.encode(sentence)[None]
+    assert resolved in task.describe(x[0])
+    words = sentence.split()
+    assert resolve_s3(words, left_product) == {"a": "120", "c": "210", "b": "102"}
+    assert resolve_s3(words, right_product)["c"] == "102"  # a·p021, the other order
+    assert [task.vocab[i] for i in task.solve(x)[0, 1:-1:5].tolist()] == ["102", "120", "210"]
 
 
 def test_sampling_is_seeded():
@@ -204,25 +280,38 @@ def test_without_broadcast_ids_only_association_is_built():
     assert maps.shape == (1, 1, 9, 9)
 
 
+@pytest.mark.parametrize("name, layout", [("lego_v0", (0, 4, 4)), ("lego_v1", (1, 2, 2))])
 @pytest.mark.parametrize("causal", [False, True])
-def test_v0_output_equals_pathways_computed_by_hand(causal):
-    attn = lego_attention("lego_v0", causal)
-    x = torch.randn(1, 9, 16, dtype=torch.float64)
-    hs, T = 8, 9
-    W, b = attn.c_value.weight, attn.c_value.bias
-    values = [x[0] @ W[p * hs:(p + 1) * hs].T + b[p * hs:(p + 1) * hs] for p in range(4)]
+def test_output_equals_pathways_and_heads_computed_by_hand(name, layout, causal):
+    # n_embd 16, n_head 2, hs 8. v0: four pathways share the 16 channels, 4 each. v1: one
+    # standard head, and the other head's 8 channels shared by the four pathways, 2 each.
+    attn = lego_attention(name, causal)
+    assert (attn.n_standard, attn.map_width, attn.conv_width) == layout
+    kept, w, hs, T = layout[0], layout[1], 8, 9
+    x = torch.randn(1, T, 16, dtype=torch.float64)
+    values = x[0] @ attn.c_value.weight.T + attn.c_value.bias            # (T, 3w + conv)
     maps = attn.fixed_maps(TOKENS)[0].double()
-    heads = [maps[p] @ values[p] for p in range(3)]
+    heads = [maps[p] @ values[:, p * w:(p + 1) * w] for p in range(3)]
+    conv_values = values[:, 3 * w:]
     left = 20 if causal else 10  # how far back the kernel's first tap reads
-    conv = torch.zeros(T, hs, dtype=torch.float64)
+    conv = torch.zeros(T, attn.conv_width, dtype=torch.float64)
     for i in range(T):
-        for c in range(hs):
+        for c in range(attn.conv_width):
             conv[i, c] = attn.conv.bias[c]
             for tap in range(21):
                 source = i - left + tap
                 if 0 <= source < T:
-                    conv[i, c] += attn.conv.weight[c, 0, tap] * values[3][source, c]
-    expected = attn.c_proj(torch.cat(heads + [conv], dim=1))
+                    conv[i, c] += attn.conv.weight[c, 0, tap] * conv_values[source, c]
+    standard = []
+    if kept:
+        q, k, v = (x[0] @ attn.c_attn.weight.T + attn.c_attn.bias).split(kept * hs, dim=1)
+        for h in range(kept):
+            part = slice(h * hs, (h + 1) * hs)
+            scores = q[:, part] @ k[:, part].T / math.sqrt(hs)
+            if causal:
+                scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+            standard.append(scores.softmax(dim=-1) @ v[:, part])
+    expected = attn.c_proj(torch.cat(heads + [conv] + standard, dim=1))
     torch.testing.assert_close(attn(x, token_ids=TOKENS)[0], expected)
 
 
@@ -249,15 +338,54 @@ def test_bidirectional_lego_attention_lets_later_tokens_matter(name):
     assert (out[:, :7] - out_changed[:, :7]).abs().max() > 1e-6
 
 
-@pytest.mark.parametrize("name, n_heads_out", [("lego_v0", 4), ("lego_v1", 4 + 2)])
-def test_forward_and_backward_run_and_v1_keeps_every_standard_head(name, n_heads_out):
+@pytest.mark.parametrize("name, c_proj_in", [("lego_v0", 16), ("lego_v1", 16)])
+def test_forward_and_backward_run_and_both_are_as_wide_as_standard_attention(name, c_proj_in):
     attn = lego_attention(name, causal=False)
-    assert attn.c_proj.in_features == n_heads_out * 8
+    assert attn.c_proj.in_features == c_proj_in
     assert hasattr(attn, "c_attn") == (name == "lego_v1")
     out = attn(torch.randn(2, 9, 16, dtype=torch.float64), token_ids=TOKENS.expand(2, 9))
     out.square().sum().backward()
     assert out.shape == (2, 9, 16)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in attn.parameters())
+
+
+@pytest.mark.parametrize("name, n_embd, n_head, kept, map_width, conv_width", [
+    ("lego_v0", 128, 4, 0, 32, 32), ("lego_v0", 16, 2, 0, 4, 4), ("lego_v0", 18, 2, 0, 4, 6),
+    ("lego_v1", 128, 4, 2, 16, 16), ("lego_v1", 16, 2, 1, 2, 2), ("lego_v1", 256, 8, 4, 32, 32),
+    ("lego_v1", 48, 3, 1, 8, 8), ("lego_v1", 12, 2, 1, 1, 3)])
+def test_the_pathways_share_the_channels_of_the_heads_they_replace(name, n_embd, n_head, kept,
+                                                                    map_width, conv_width):
+    # v0 replaces every head; v1 keeps half of them, rounded down. The four pathways
+    # (association, [CLS], [SEP], the convolution) split what is left; the conv takes the rest.
+    attn = lego_attention(name, causal=False, n_embd=n_embd, n_head=n_head)
+    assert (attn.n_standard, attn.map_width, attn.conv_width) == (kept, map_width, conv_width)
+    replaced = n_embd - kept * (n_embd // n_head)  # the channels of the heads replaced
+    assert attn.c_value.out_features == 3 * map_width + conv_width == replaced
+    assert attn.c_proj.in_features == n_embd  # as wide as standard attention
+    if kept:
+        assert attn.c_attn.out_features == 3 * kept * (n_embd // n_head)
+
+
+@pytest.mark.parametrize("n_embd, n_head", [(128, 4), (32, 2), (256, 8)])
+def test_v0_and_v1_have_fewer_parameters_and_flops_than_standard_attention(n_embd, n_head):
+    # bench.py's counter (its table 4): FLOPs of one forward + backward of a one-layer
+    # bidirectional model, with softmax attention through its readable path so it is counted,
+    # and the attention's parameters.
+    lego = dict(causal=False, broadcast_ids=(0, 1))
+    size = dict(n_embd=n_embd, n_head=n_head)
+    (flops, params), *lego_counts = [bench.count_step(attn, 64, 128, size, **lego)
+                                     for attn in ["standard", "lego_v0", "lego_v1"]]
+    for lego_flops, lego_params in lego_counts:
+        assert lego_params < params and lego_flops < flops
+
+
+@pytest.mark.parametrize("name, options, flag", [
+    ("lego_v1", dict(n_head=1, n_embd=16), "--n_head 2 or more"),
+    ("lego_v1", dict(n_head=2, n_embd=4), "--attn lego_v1 .* raise --n_embd"),
+    ("lego_v0", dict(n_head=1, n_embd=3), "--attn lego_v0 .* raise --n_embd")])
+def test_too_few_heads_or_channels_raise_naming_the_flag(name, options, flag):
+    with pytest.raises(ValueError, match=flag):
+        lego_attention(name, causal=False, **options)
 
 
 def test_lego_attention_refuses_a_decoding_cache():
@@ -287,7 +415,7 @@ def test_a_bidirectional_gpt_with_lego_v1_trains_on_lego_and_shows_its_maps():
     assert all(torch.isfinite(torch.tensor(losses)))
     maps = model.attention_maps(x)
     assert len(maps) == 2
-    assert all(m.shape == (16, 3 + 2, task.block_size, task.block_size) for m in maps)
+    assert all(m.shape == (16, 3 + 1, task.block_size, task.block_size) for m in maps)  # 1 kept
     torch.testing.assert_close(maps[0][:, :3].sum(-1), torch.ones(16, 3, task.block_size))
 
 

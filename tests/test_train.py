@@ -225,11 +225,11 @@ def test_bench_measures_every_section_at_a_tiny_size():
     tokens_per_s = bench.bench_decode("chacal", True, 8, 2, size, torch.float32, "cpu")
     assert t_std > 0 and t_cha > 0 and step[0] > 0 and tokens_per_s > 0
     lego = dict(causal=False, broadcast_ids=(0, 1))
-    heads = dict(n_embd=32, n_head=4)  # four pathways of one head each cost less than 4 heads' q, k, v
+    heads = dict(n_embd=32, n_head=4)
     counts = {attn: bench.count_step(attn, 16, 32, heads, **lego) for attn in ["standard", "lego_v0", "lego_v1"]}
-    # v0 learns no queries and keys; v1 is standard attention plus the pathways
-    assert counts["lego_v0"][1] < counts["standard"][1] < counts["lego_v1"][1]
-    assert counts["lego_v0"][0] < counts["lego_v1"][0] and counts["standard"][0] < counts["lego_v1"][0]
+    # v0 learns no queries and keys; v1 keeps half the heads: both cost less than standard
+    for lego_attn in ("lego_v0", "lego_v1"):
+        assert counts[lego_attn][0] < counts["standard"][0] and counts[lego_attn][1] < counts["standard"][1]
     # Softmax attention's FLOPs are counted (a fused kernel would count 0): at a fixed number of
     # tokens, a longer sequence costs more in QKᵀ and AV and the same in every other layer.
     assert bench.count_step("standard", 32, 32, heads, **lego)[0] > counts["standard"][0]
