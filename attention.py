@@ -314,8 +314,8 @@ class LayerCache:
 # -----------------------------------------------------------------------------
 # The modules.
 
-NO_GROUPS = ("--attn {attn} has no inductive-scratchpad groups (--scratchpad inductive); use "
-             "--attn standard or chacal")
+NO_GROUPS = ("--attn {attn} cannot take the inductive scratchpad's group masks (--scratchpad "
+             "inductive); use --attn standard or chacal")
 
 
 class CausalSelfAttention(nn.Module):
@@ -331,6 +331,7 @@ class CausalSelfAttention(nn.Module):
     """
 
     learned_maps = True  # heads 0 and 1 learn their maps (LEGO's mimicking shapes them)
+    takes_groups = True  # honours the inductive scratchpad's group masks (train.py checks it)
 
     def __init__(self, config):
         super().__init__()
@@ -462,6 +463,8 @@ class ChaCALKeepDiagonal(ChaCALAttention):
     ChaCAL paper motivates (Section 4.1: self-loops carry nothing about the chain) but does not
     run. Lesson 01 trains it beside ChaCAL. See `chacal_keep_diagonal`."""
 
+    takes_groups = False  # lesson 01's ablation, written without a masked path
+
     def attention_map(self, q, k, token_ids, depth):
         eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
         return chacal_keep_diagonal(q, k, eye, self.gamma, causal=self.causal)
@@ -512,6 +515,8 @@ class SlidingDilatedAttention(CausalSelfAttention):
     tokens gives, yet parity(1) = 1 and parity(1, 1) = 0. The pad is one extra key column, at
     the front, whose score takes log Σ exp(r[h, s]) over the steps s that land before 0.
     """
+
+    takes_groups = False  # its fixed offsets reach across states, whatever a mask would allow
 
     def __init__(self, config):
         super().__init__(config)
@@ -628,6 +633,7 @@ class LEGOAttention(CausalSelfAttention):
     kernel_size = 21
     learned_maps = False    # its first heads are the fixed maps, which mimicking cannot shape
     attn_name = "lego_v0"   # its --attn name, for error messages
+    takes_groups = False    # maps read off token ids and a convolution: no mask to restrict
 
     def __init__(self, config):
         super().__init__(config)  # gives c_attn (resized by v1, dropped by v0), c_proj (C -> C)

@@ -51,6 +51,7 @@ class Task:
     generates_answer = False   # the model writes an answer after a prompt (needs a causal model)
     stop_token = None          # such a task's last token: generation stops once every row wrote it
     prompt_length = None       # sample.py: tokens read at once before decoding one at a time
+    grouped = False            # layout() gives attention groups: the attention must take them
 
     def evaluation_batches(self, n_samples, batch_size, generator):
         for start in range(0, n_samples, batch_size):
@@ -1399,6 +1400,7 @@ class Cycles(Task):
                                  f"nodes, B lies 1 to {2 * n - 1} steps ahead of A")
             self.sizes[split] = (n, distance)
         self.scratchpad = scratchpad
+        self.grouped = scratchpad == "inductive"
         self.n_names = max(n_names, 2 * cycle_n, 2 * test_cycle_n)
         self.vocab = CYCLE_WORDS + [f"v{i}" for i in range(self.n_names)]
         self.token_ids = {word: i for i, word in enumerate(self.vocab)}

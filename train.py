@@ -25,7 +25,7 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-from attention import ATTENTIONS, mimic
+from attention import ATTENTIONS, NO_GROUPS, mimic
 from data import TASKS, task_class, task_flags, task_from_settings
 from model import GPT, GPTConfig
 
@@ -179,6 +179,8 @@ def parse_args(argv=None):
             config, checkpoint = initial_weights(args, task, typed, checkpoint)
         else:
             config = model_config(args, task)
+        if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_layer()):
+            raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
         if args.resume:  # (without positions, block_size bounds nothing learned)
             changed = [k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v
                        and not (k == "block_size" and config.pos == "none")]
@@ -394,13 +396,11 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
             synchronize(args.device)
             state["train_time"] += time.perf_counter() - tick  # evaluation is not training time
             record = {"step": step, "train_time": round(state["train_time"], 3), "lr": lr,
-                      "train_loss": torch.stack(window).mean().item(),
-                      **state.pop("first_record", {})}
+                      "train_loss": torch.stack(window).mean().item(), **state.pop("first_record", {})}
             record.update(task.evaluate(model, args.eval_samples, args.batch_size, rngs[1],
                                         args.device, autocast, final=step == args.max_iters))
             state["metrics"].append(record)
-            save_run(args.out_dir, model, optimizer, args, step, state["train_time"], rngs,
-                     state["metrics"])
+            save_run(args.out_dir, model, optimizer, args, step, state["train_time"], rngs, state["metrics"])
             window = []
             bar.write(f"step {step}: {describe_metrics(record)}")
             tick = time.perf_counter()

@@ -154,7 +154,7 @@ def test_ordinary_layout_passed_explicitly_changes_nothing():
 def test_attentions_without_groups_refuse_them_naming_the_flag():
     model = small_model("dilated")
     x = torch.tensor([[1, 2, START, 3, SEP]])
-    with pytest.raises(ValueError, match="--attn dilated"):
+    with pytest.raises(ValueError, match="--attn dilated cannot take"):
         model(x, **dict(zip(("positions", "groups"), inductive_layout(x, START, SEP))))
 
 
@@ -256,6 +256,32 @@ def test_bad_cycles_flags_fail_at_start_with_one_line_naming_the_flag(flags, nam
     assert stopped.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("train.py: error:") and named in error[0]
+
+
+@pytest.mark.parametrize("attn", ["dilated", "lego_v0", "lego_v1", "chacal_diagonal",
+                                  "standard,dilated"])
+def test_inductive_scratchpad_refuses_attentions_without_group_masks_at_start(attn, capsys):
+    """Such an attention would fail at the first training step; train.py refuses it before."""
+    flags = ["--task", "cycles", "--cycle_n", "2", "--attn", attn, "--n_layer",
+             str(len(attn.split(","))), "--device", "cpu"]
+    with pytest.raises(SystemExit) as stopped:
+        train.main(flags + ["--scratchpad", "inductive"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("train.py: error:")
+    assert f"--attn {attn}" in error[0] and "--scratchpad inductive" in error[0]
+    train.parse_args(flags + ["--scratchpad", "full"])  # the same model, without groups: fine
+
+
+def test_inductive_scratchpad_refuses_them_from_trained_weights_too(tmp_path, capsys):
+    tiny = ["--task", "cycles", "--cycle_n", "2", "--scratchpad", "inductive", "--n_embd", "16",
+            "--n_head", "2", "--batch_size", "4", "--eval_samples", "4", "--max_iters", "1",
+            "--no-progress", "--device", "cpu"]
+    train.main(tiny + ["--attn", "standard", "--out_dir", str(tmp_path / "standard")])
+    with pytest.raises(SystemExit):  # chacal_diagonal has standard attention's weights
+        train.parse_args(tiny + ["--attn", "chacal_diagonal", "--init_from",
+                                 str(tmp_path / "standard"), "--out_dir", str(tmp_path / "swap")])
+    assert "--attn chacal_diagonal cannot take" in capsys.readouterr().err
 
 
 def test_cycles_typed_prompts_are_read_or_refused():
