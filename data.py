@@ -313,17 +313,23 @@ def _items(text):
 
 def simulate(prompt):
     """Read a prompt's text alone and return ({letter: set of items} after the last operation,
-    {letter: number of operations that changed the box}). Raises ValueError on an impossible step.
+    {letter: reference depth of the box}). Raises ValueError on an impossible step.
+
+    An implicit move ("Move the contents of Box X to Box Y") does not name what moves: a reader
+    must resolve what X held, which may itself have arrived by an implicit move. A box's reference
+    depth is the longest such chain among its items: the implicit moves an item rode along with
+    since a sentence last named it (the description, a Put, an explicit Move). Empty boxes: 0.
     """
     if not prompt.strip():
         raise ValueError("boxes: the prompt is empty; start it with what each box holds")
     description, *operations = prompt.rstrip(".").split(". ")
-    boxes, touched = {}, {}
+    boxes, hops = {}, {}  # hops: implicit moves each item rode along with since it was named
     for clause in (description[0].lower() + description[1:]).split(", "):
         if m := re.fullmatch(r"there is nothing in Box (\w)", clause):
             boxes[m[1]] = set()
         elif m := re.fullmatch(r"(.+) (?:is|are) in Box (\w)", clause):
             boxes[m[2]] = _items(m[1])
+            hops.update(dict.fromkeys(boxes[m[2]], 0))
         else:
             raise ValueError(f"boxes: cannot read the description clause {clause!r}")
     for op in operations:
@@ -343,11 +349,12 @@ def simulate(prompt):
             if not items or not items <= boxes.get(source, set()):
                 raise ValueError(f"boxes: {op!r} takes what is not in Box {source}")
             boxes[source] = boxes[source] - items
-            touched[source] = touched.get(source, 0) + 1
         if target is not None:
             boxes[target] = boxes.get(target, set()) | items
-            touched[target] = touched.get(target, 0) + 1
-    return boxes, {box: touched.get(box, 0) for box in boxes}
+            implicit = op.startswith("Move the contents")  # else the sentence names the items
+            hops.update({item: hops[item] + 1 if implicit else 0 for item in items})
+    return boxes, {box: max((hops[item] for item in items), default=0)
+                   for box, items in boxes.items()}
 
 
 def parse_answer(text):
@@ -378,12 +385,12 @@ def _nonempty_subset(rng, items):
             return subset
 
 
-def _void(boxes):
+def _void(boxes, objects):
     placed = set().union(*boxes)
-    return [o for o in OBJECTS if o not in placed]  # in list order, so a seed gives one draw
+    return [o for o in objects if o not in placed]  # in list order, so a seed gives one draw
 
 
-def _default_operations(rng, boxes, letters, n_ops):
+def _default_operations(rng, boxes, letters, n_ops, objects):
     """Kim & Schuster's loop: draw an operation and a box uniformly, redraw both if invalid."""
     ops = []
     while len(ops) < n_ops:
@@ -403,9 +410,10 @@ def _default_operations(rng, boxes, letters, n_ops):
             boxes[b2] |= moved
         elif op == "put":
             n_items = _poisson(rng, 1)  # Kim & Schuster: Poisson(max(1, expected // 2)), at least 1
-            if n_items < 1 or len(source) + n_items > MAX_ITEMS:
+            void = _void(boxes, objects)
+            if n_items < 1 or len(source) + n_items > MAX_ITEMS or n_items > len(void):
                 continue
-            put = set(rng.sample(_void(boxes), n_items))
+            put = set(rng.sample(void, n_items))
             ops.append(f"Put {_the(put)} into Box {letters[b1]}.")
             source |= put
         else:
@@ -423,8 +431,8 @@ def _default_operations(rng, boxes, letters, n_ops):
 ADVANCED_MOVE_PROBABILITY = 0.75
 
 
-def _advanced_operations(rng, boxes, letters, n_ops):
-    """Moves of a whole box into an empty box, so 4 boxes stay filled, and put/remove pairs
+def _advanced_operations(rng, boxes, letters, n_ops, objects):
+    """Moves of a whole box into an empty box, so n_filled boxes stay filled, and put/remove pairs
     that put an item into a filled box and take it out again at once. Both rules are inferred
     from the paper's one example (Table 6); the paper only says moves are all implicit and half
     the boxes hold items."""
@@ -437,53 +445,97 @@ def _advanced_operations(rng, boxes, letters, n_ops):
             ops.append(f"Move the contents of Box {letters[b1]} to Box {letters[b2]}.")
             boxes[b1], boxes[b2] = boxes[b2], boxes[b1]  # b2 is empty: a swap is the move
         else:
-            item = rng.choice(_void(boxes))
+            item = rng.choice(_void(boxes, objects))
             ops.append(f"Put the {item} into Box {letters[b1]}.")
             ops.append(f"Remove the {item} from Box {letters[b1]}.")
     return ops
 
 
-def generate_example(rng, version="default", signatures=None):
+# Each version's sizes in the paper (Section 5.2, Tables 5 and 6). Boxes' flags change the sizes,
+# never the rules: a small advanced version keeps every move implicit.
+PAPER_SIZES = {
+    "default": dict(n_boxes=7, n_filled=None, n_objects=100, min_ops=32, max_ops=32),
+    "advanced": dict(n_boxes=8, n_filled=4, n_objects=100, min_ops=1, max_ops=31),
+}
+
+
+def box_sizes(version="default", **sizes):
+    """The version's paper sizes with those given (None: the paper's), checked; a ValueError
+    names the flag. n_boxes: boxes A.. (at most 8, the letters of the vocabulary); n_filled
+    (advanced only): boxes holding one item at the start; n_objects: the first objects of
+    OBJECTS that may appear; min_ops..max_ops: operations per example, log-uniform."""
+    if version not in PAPER_SIZES:
+        raise ValueError(f"--boxes_version {version!r}: choose default or advanced")
+    if version == "default" and sizes.get("n_filled") is not None:
+        raise ValueError("--n_filled: the default version draws Poisson(2) items per box; "
+                         "--n_filled sets the advanced version's filled boxes")
+    s = {**PAPER_SIZES[version], **{k: v for k, v in sizes.items() if v is not None}}
+    if not 2 <= s["n_boxes"] <= len(LETTERS):
+        raise ValueError(f"--n_boxes {s['n_boxes']} must lie in 2..{len(LETTERS)} (boxes A..H)")
+    if version == "advanced" and not 1 <= s["n_filled"] < s["n_boxes"]:
+        raise ValueError(f"--n_filled {s['n_filled']} must lie in 1..{s['n_boxes'] - 1}: a move "
+                         f"needs an empty box among the {s['n_boxes']} of --n_boxes")
+    fewest = s["n_filled"] + 1 if version == "advanced" else MAX_ITEMS * s["n_boxes"]
+    if not fewest <= s["n_objects"] <= len(OBJECTS):
+        raise ValueError(f"--n_objects {s['n_objects']} must lie in {fewest}..{len(OBJECTS)} "
+                         f"(the {version} version with {s['n_boxes']} boxes)")
+    if s["min_ops"] < 1:
+        raise ValueError(f"--min_ops {s['min_ops']} must be at least 1")
+    if s["max_ops"] < s["min_ops"]:
+        raise ValueError(f"--max_ops {s['max_ops']} is below --min_ops {s['min_ops']}")
+    return s
+
+
+def generate_example(rng, version="default", signatures=None, **sizes):
     """One (prompt, answer) pair of texts drawn with rng (a random.Random). The initial state is
-    redrawn until its signature (items per box) is in `signatures` (None: any)."""
+    redrawn until its signature (items per box) is in `signatures` (None: any). sizes: those of
+    box_sizes (left out: the paper's)."""
     advanced = version == "advanced"
-    letters = LETTERS[:8] if advanced else LETTERS[:7]
+    sizes = box_sizes(version, **sizes)
+    letters, objects = LETTERS[:sizes["n_boxes"]], OBJECTS[:sizes["n_objects"]]
     while True:
-        if advanced:  # 4 of the 8 boxes hold one item each, as in Table 6
-            filled = rng.sample(range(8), 4)
-            counts = [int(b in filled) for b in range(8)]
+        if advanced:  # n_filled boxes hold one item each (paper: 4 of 8, as in Table 6)
+            filled = rng.sample(range(len(letters)), sizes["n_filled"])
+            counts = [int(b in filled) for b in range(len(letters))]
         else:  # Poisson(2) items per box, redrawn if there are not enough objects, clipped to 3
             counts = [_poisson(rng, 2) for _ in letters]
-            if sum(counts) > len(OBJECTS):
+            if sum(counts) > len(objects):
                 continue
             counts = [min(c, MAX_ITEMS) for c in counts]
         if signatures is None or tuple(counts) in signatures:
             break
-    items = iter(rng.sample(OBJECTS, sum(counts)))
+    items = iter(rng.sample(objects, sum(counts)))
     boxes = [{next(items) for _ in range(c)} for c in counts]
 
+    # Log-uniform on min..max: floor(min * ((max+1)/min)^u), u uniform in [0, 1); the advanced
+    # version's 1..31 is floor(32^u), so P(n) = log2((n+1)/n) / 5. The default version: 32.
+    low, high = sizes["min_ops"], sizes["max_ops"]
+    n_ops = low if low == high else int(low * ((high + 1) / low) ** rng.random())
     clauses = [(f"{_the(boxes[b])} {'is' if len(boxes[b]) == 1 else 'are'} in Box {letters[b]}"
                 if boxes[b] else f"there is nothing in Box {letters[b]}") for b in range(len(letters))]
     if advanced:  # only the filled boxes, in letter order as in Table 6
         clauses = [c for c, n in zip(clauses, counts, strict=True) if n]
-        # Log-uniform on 1..31: floor(32^u), u uniform in [0, 1), so P(n) = log2((n+1)/n) / 5.
-        ops = _advanced_operations(rng, boxes, letters, n_ops=int(32 ** rng.random()))
+        ops = _advanced_operations(rng, boxes, letters, n_ops, objects)
     else:  # every box, in shuffled order as in Table 5
         rng.shuffle(clauses)
-        ops = _default_operations(rng, boxes, letters, n_ops=32)
+        ops = _default_operations(rng, boxes, letters, n_ops, objects)
     description = ", ".join(clauses)
     prompt = description[0].upper() + description[1:] + ". " + " ".join(ops)
     answer = render_answer(dict(zip(letters, boxes, strict=True)), with_empty=not advanced)
     return prompt, answer
 
 
-def signature_split(version, seed):
+def signature_split(version, seed, **sizes):
     """(train, test) sets of initial-state signatures (items per box), a seeded half each, so no
-    initial count configuration is in both splits (Kim & Schuster split the same way, 45/10/45)."""
+    initial count configuration is in both splits (Kim & Schuster split the same way, 45/10/45).
+    sizes: those of box_sizes (left out: the paper's)."""
+    sizes = box_sizes(version, **sizes)
+    n = sizes["n_boxes"]
     if version == "advanced":
-        signatures = [tuple(int(b in f) for b in range(8)) for f in itertools.combinations(range(8), 4)]
+        signatures = [tuple(int(b in f) for b in range(n))
+                      for f in itertools.combinations(range(n), sizes["n_filled"])]
     else:
-        signatures = list(itertools.product(range(MAX_ITEMS + 1), repeat=7))
+        signatures = list(itertools.product(range(MAX_ITEMS + 1), repeat=n))
     random.Random(seed).shuffle(signatures)
     half = len(signatures) // 2
     return set(signatures[:half]), set(signatures[half:])
@@ -516,6 +568,9 @@ class Boxes(Task):
     version="default": 7 boxes A-G, 32 operations, every box described and answered.
     version="advanced": 8 boxes A-H, 4 holding one item, 1-31 operations (log-uniform), every
     move implicit, only filled boxes described and answered: chains of up to 31 moves.
+    n_boxes, n_filled, n_objects, min_ops, max_ops resize a version and keep its rules (None:
+    the paper's sizes, see box_sizes): e.g. 4 boxes, 2 filled, 1-7 moves is an advanced version
+    of tens of tokens whose chains a CPU-sized model can learn.
 
     Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
     template words and 100 objects in one sorted list; word-level, see encode(). A row and its labels (-1 is not scored):
@@ -525,10 +580,12 @@ class Boxes(Task):
         depth   -1    -1  -1  ... -1  -1 -1 1     1   1        1        ... 2   2     -1    -1
 
     so y[t] = x[t+1] while x[t+1] is an answer token or <eos>: only the answer is scored. Its
-    chain depth is the number of operations that changed the box its clause names (A 1, B 1, C 2).
+    chain depth is the reference depth of the box its clause names (simulate(): the implicit
+    moves its items rode along with; A 0, B 0, C 1 as the cup came by "Move the contents").
 
-    Examples are generated once per (version, data_seed, n_train, n_test), both splits together (train
-    and test never share an initial signature), and cached in cache_dir (None: no cache). Each
+    Examples are generated once per (version, sizes, data_seed, n_train, n_test), both splits
+    together (train and test never share an initial signature), and cached in cache_dir (None: no
+    cache). Each
     split's token ids are task.rows[split] (N, block_size); prompt_and_answer(i) serves exact match.
     evaluate() also writes the answers to the first test prompts by greedy generation and scores
     them against the simulator (exact match, and boxes right by chain depth).
@@ -539,23 +596,37 @@ class Boxes(Task):
     flags = {"boxes_version": dict(choices=["default", "advanced"], help="boxes: 7 boxes and 32 "
                                    "operations (default), or 8 boxes and 1-31 implicit moves"),
              "n_train": dict(type=int, help="boxes: training examples, cached in data_cache/ (2000)"),
-             "n_test": dict(type=int, help="boxes: test examples, no initial state in both (500)")}
+             "n_test": dict(type=int, help="boxes: test examples, no initial state in both (500)"),
+             "n_boxes": dict(type=int, help="boxes: boxes A.. in a prompt, 2-8 (7 default, 8 "
+                             "advanced)"),
+             "n_filled": dict(type=int, help="boxes advanced: boxes holding an item at the start "
+                              "(4)"),
+             "n_objects": dict(type=int, help="boxes: objects that may appear, the first of the "
+                               "100 (100)"),
+             "min_ops": dict(type=int, help="boxes: fewest operations per prompt (default 32, "
+                             "advanced 1)"),
+             "max_ops": dict(type=int, help="boxes: most operations per prompt, log-uniform from "
+                             "min_ops (default 32, advanced 31)")}
 
     def __init__(self, boxes_version="default", n_train=2000, n_test=500, data_seed=0,
-                 cache_dir="data_cache"):
+                 cache_dir="data_cache", n_boxes=None, n_filled=None, n_objects=None,
+                 min_ops=None, max_ops=None):
         version = boxes_version
-        if version not in ("default", "advanced"):
-            raise ValueError(f"--boxes_version {version!r}: choose default or advanced")
+        self.sizes = box_sizes(version, n_boxes=n_boxes, n_filled=n_filled, n_objects=n_objects,
+                               min_ops=min_ops, max_ops=max_ops)
         if n_train < 1 or n_test < 1:
             raise ValueError(f"--n_train {n_train} and --n_test {n_test} must be at least 1")
         self.version, self.vocab_size = version, len(VOCAB)
         seed = data_seed  # of the examples, apart from a run's --seed: every run sees one dataset
-        filename = f"boxes-{version}-seed{seed}-{n_train}+{n_test}.pt"
+        s = self.sizes
+        sizes = (f"{s['n_boxes']}boxes-" + (f"{s['n_filled']}filled-" if s["n_filled"] else "")
+                 + f"{s['n_objects']}objects-{s['min_ops']}to{s['max_ops']}ops")
+        filename = f"boxes-{version}-{sizes}-seed{seed}-{n_train}+{n_test}.pt"
         path = os.path.join(cache_dir, filename) if cache_dir else None
         if path and os.path.exists(path):
             data = _read_dataset(path, os.path.getmtime(path))
         else:
-            train_signatures, test_signatures = signature_split(version, seed)
+            train_signatures, test_signatures = signature_split(version, seed, **self.sizes)
             data = {"train": self._generate(n_train, train_signatures, f"{seed}-train"),
                     "test": self._generate(n_test, test_signatures, f"{seed}-test")}
             longest = max(int((rows != PAD).sum(1).max()) for rows in data.values())
@@ -571,10 +642,12 @@ class Boxes(Task):
     def _generate(self, n, signatures, stream):
         rng = random.Random(f"boxes-{self.version}-{stream}")
         # Room for any example: <= 13 tokens per described box, per answered box and per
-        # operation, plus 3 specials; trimmed to the longest example afterwards.
-        rows = torch.zeros(n, 3 + 2 * 13 * 8 + 13 * 32, dtype=torch.uint8)
+        # operation (one more: a put/remove pair may end past max_ops), plus 3 specials;
+        # trimmed to the longest example afterwards.
+        width = 3 + 2 * 13 * self.sizes["n_boxes"] + 13 * (self.sizes["max_ops"] + 1)
+        rows = torch.zeros(n, width, dtype=torch.uint8)
         for i in tqdm(range(n), desc=f"boxes {self.version} {stream}", disable=n < 10_000):
-            prompt, answer = generate_example(rng, self.version, signatures)
+            prompt, answer = generate_example(rng, self.version, signatures, **self.sizes)
             ids = [BOS, *encode(prompt), SEP, *encode(answer), EOS]
             rows[i, :len(ids)] = torch.tensor(ids, dtype=torch.uint8)
         return rows
@@ -596,13 +669,13 @@ class Boxes(Task):
         """(position of <sep>, answer token ids with <eos>, depth of each) from a row's prompt."""
         row = row.tolist()
         sep = row.index(SEP)
-        boxes, touched = simulate(decode(row[1:sep]))
+        boxes, depths = simulate(decode(row[1:sep]))
         answer = encode(render_answer(boxes, with_empty=self.version == "default")) + [EOS]
         depth = []
         for k, token in enumerate(answer):  # a clause's tokens, and <eos>, belong to its box
             if token == TOKEN_IDS["Box"]:
                 box = VOCAB[answer[k + 1]]
-            depth.append(touched[box])
+            depth.append(depths[box])
         return sep, answer, depth
 
     def _along_answers(self, x, want_depth):
@@ -638,10 +711,10 @@ class Boxes(Task):
         that box exactly its contents. A clause that does not parse counts as missing, so a
         garbled answer scores the boxes it does state.
         """
-        truth, touched = simulate(decode(prompt[1:-1]))
+        truth, depths = simulate(decode(prompt[1:-1]))
         expected = render_answer(truth, with_empty=self.version == "default")
         stated = parse_answer(answer_text)
-        boxes = [(touched[box], stated.get(box) == items) for box, items in sorted(truth.items())
+        boxes = [(depths[box], stated.get(box) == items) for box, items in sorted(truth.items())
                  if items or self.version == "default"]
         return answer_text == expected, boxes
 

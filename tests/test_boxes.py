@@ -1,14 +1,20 @@
 """Boxes: the generator's rules, the simulator against the paper's examples, tokens, splits, cache."""
 
 import functools
+import os
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import data
-from data import (BOS, EOS, OBJECTS, PAD, SEP, VOCAB, decode, encode, generate_example, get_task,
-                  parse_answer, render_answer, signature_split, simulate)
+from data import (BOS, EOS, OBJECTS, PAD, SEP, VOCAB, box_sizes, decode, encode, generate_example,
+                  get_task, parse_answer, render_answer, signature_split, simulate)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The ChaCAL paper's appendix, Table 5 (default version) and Table 6 (advanced version).
 TABLE_5_PROMPT = (
@@ -44,10 +50,14 @@ TINY_PROMPT = ("The cup is in Box B, there is nothing in Box A, the key and the 
 TINY_ANSWER = "Box A contains the key, Box B is empty, Box C contains the cup and the map."
 
 
+# A small advanced version, the size a CPU can learn in minutes (lesson 4, the README).
+SMALL = dict(n_boxes=4, n_filled=2, n_objects=10, min_ops=1, max_ops=7)
+
+
 @functools.cache
-def examples(version, n):
+def examples(version, n, small=False):
     rng = random.Random(f"test-{version}")
-    return [generate_example(rng, version) for _ in range(n)]
+    return [generate_example(rng, version, **(SMALL if small else {})) for _ in range(n)]
 
 
 @functools.cache
@@ -84,20 +94,21 @@ def test_simulator_reproduces_the_papers_tables_5_and_6(prompt, answer, with_emp
     assert decode(encode(prompt)) == prompt and decode(encode(answer)) == answer
 
 
-def test_table_5_is_388_tokens_and_table_6_counts_operations_per_box():
-    assert len(encode(TABLE_5_PROMPT)) + len(encode(TABLE_5_ANSWER)) == 388  # as in the notes
-    _, touched = simulate(TABLE_6_PROMPT)
-    assert touched == dict(A=3, B=1, C=4, D=3, E=3, F=3, G=4, H=1)
+def test_table_5_is_388_tokens_and_table_6_has_reference_chains():
+    assert len(encode(TABLE_5_PROMPT)) + len(encode(TABLE_5_ANSWER)) == 388
+    _, depth = simulate(TABLE_6_PROMPT)
+    # the cigarette rode B->F->E->G->E, the television A->D->G->C; empty boxes are 0
+    assert depth == dict(A=0, B=0, C=3, D=1, E=4, F=1, G=0, H=0)
 
 
 def test_simulator_on_hand_written_cases():
-    boxes, touched = simulate(TINY_PROMPT)
+    boxes, depth = simulate(TINY_PROMPT)
     assert render_answer(boxes) == TINY_ANSWER
-    assert touched == dict(A=1, B=1, C=2)
-    boxes, touched = simulate("There is nothing in Box A, the egg is in Box B. Put the fan and the "
+    assert depth == dict(A=0, B=0, C=1)  # the key is named by its move; the cup is not
+    boxes, depth = simulate("There is nothing in Box A, the egg is in Box B. Put the fan and the "
                               "map into Box A. Remove the map from Box A. Move the contents of Box "
                               "A to Box B. Put the map into Box A.")
-    assert boxes == dict(A={"map"}, B={"egg", "fan"}) and touched == dict(A=4, B=1)
+    assert boxes == dict(A={"map"}, B={"egg", "fan"}) and depth == dict(A=0, B=1)
     for bad in ["The egg is in Box A. Remove the fan from Box A.",      # not in the box
                 "The egg is in Box A. Put the egg into Box B.",         # already in a box
                 "The egg is in Box A. Move the contents of Box B to Box A.",  # nothing to move
@@ -188,7 +199,7 @@ def test_sample_scores_only_the_answer_and_matches_the_solver(version):
     assert torch.equal(y[:, :-1][answer[:, :-1]], x[:, 1:][answer[:, :-1]])
     assert torch.equal(t.solve(x), y)
     depth = t.chain_depth(x)
-    assert torch.equal(depth == -1, y == -1) and depth.max() > 3
+    assert torch.equal(depth == -1, y == -1) and depth.max() > (3 if version == "advanced" else 0)
     a, b = t.sample(4, torch.Generator().manual_seed(5)), t.sample(4, torch.Generator().manual_seed(5))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
@@ -205,17 +216,17 @@ def test_answers_are_scored_whole_and_box_by_box():
     t = task("default")
     prompt = torch.tensor([BOS, *encode(TINY_PROMPT), SEP])
     assert parse_answer(TINY_ANSWER) == {"A": {"key"}, "B": set(), "C": {"cup", "map"}}
-    assert t.score_answer(prompt, TINY_ANSWER) == (True, [(1, True), (1, True), (2, True)])
+    assert t.score_answer(prompt, TINY_ANSWER) == (True, [(0, True), (0, True), (1, True)])
     wrong_c = "Box A contains the key, Box B is empty, Box C contains the cup."
-    assert t.score_answer(prompt, wrong_c) == (False, [(1, True), (1, True), (2, False)])
+    assert t.score_answer(prompt, wrong_c) == (False, [(0, True), (0, True), (1, False)])
     garbled = "Box A contains the key, Box B Box, the map"  # B unreadable, C missing
-    assert t.score_answer(prompt, garbled) == (False, [(1, True), (1, False), (2, False)])
+    assert t.score_answer(prompt, garbled) == (False, [(0, True), (0, False), (1, False)])
     reordered = "Box C contains the map and the cup, Box B is empty, Box A contains the key."
-    assert t.score_answer(prompt, reordered) == (False, [(1, True), (1, True), (2, True)])
+    assert t.score_answer(prompt, reordered) == (False, [(0, True), (0, True), (1, True)])
     # The advanced version names only filled boxes: an empty box is not scored.
     advanced = task("advanced")
     assert advanced.score_answer(prompt, "Box A contains the key, Box C contains the cup and "
-                                 "the map.") == (True, [(1, True), (2, True)])
+                                 "the map.") == (True, [(0, True), (1, True)])
 
 
 def test_docstring_example_labels_and_chain_depth():
@@ -227,7 +238,7 @@ def test_docstring_example_labels_and_chain_depth():
     assert y[sep:-1].tolist() == answer  # at <sep> the first answer word, at the last "." <eos>
     assert (y[:sep] == -1).all() and y[-1] == -1
     clause_box = "A" * 6 + "B" * 5 + "C" * 10  # "Box A contains the key ," ... "map . <eos>"
-    assert depth[sep:-1].tolist() == [dict(A=1, B=1, C=2)[b] for b in clause_box]
+    assert depth[sep:-1].tolist() == [dict(A=0, B=0, C=1)[b] for b in clause_box]
     assert (depth[:sep] == -1).all() and depth[-1] == -1
 
 
@@ -245,7 +256,7 @@ def test_prompt_and_answer_and_describe():
 def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
     options = dict(boxes_version="default", n_train=40, n_test=10, data_seed=1, cache_dir=str(tmp_path))
     first = get_task("boxes", **options)
-    assert [p.name for p in tmp_path.iterdir()] == ["boxes-default-seed1-40+10.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["boxes-default-7boxes-100objects-32to32ops-seed1-40+10.pt"]
 
     def no_generation(*args, **kwargs):
         raise AssertionError("generated again instead of reading the cache")
@@ -255,6 +266,8 @@ def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
     assert len(list(tmp_path.iterdir())) == 1
     with pytest.raises(AssertionError, match="generated again"):  # a new seed is not cached
         get_task("boxes", **{**options, "data_seed": 2})
+    with pytest.raises(AssertionError, match="generated again"):  # nor are new sizes
+        get_task("boxes", **{**options, "n_boxes": 5, "n_objects": 20})
 
 
 def test_boxes_is_registered_and_options_are_checked():
@@ -281,3 +294,65 @@ def test_example_is_a_test_prompt_or_the_typed_one():
     assert typed[0].tolist() == [BOS, *encode(TINY_PROMPT), SEP]
     with pytest.raises(ValueError, match="--prompt"):
         t.example(None, prompt="Juggle Box A.")
+
+
+# The small advanced version: the paper's rules at a size a laptop learns.
+
+def test_small_advanced_answers_equal_the_simulator_and_every_move_is_implicit():
+    n_ops, lengths = [], []
+    for prompt, answer in examples("advanced", 400, small=True):
+        assert render_answer(simulate(prompt)[0], with_empty=False) == answer
+        clauses = prompt.split(". ")[0].split(", ")
+        assert len(clauses) == 2 and all(" is in Box " in clause for clause in clauses)
+        operations = steps(prompt)
+        n_ops.append(len(operations))
+        for op, _, after in operations:
+            assert set(after) <= set("ABCD")
+            assert not op.startswith("Move") or op.startswith("Move the contents of"), op
+            assert set(re.findall(r"the (\w+)", op)) - {"contents"} <= set(OBJECTS[:10]), op
+        lengths.append(len(encode(prompt)) + len(encode(answer)) + 3)
+    assert min(n_ops) == 1 and 7 <= max(n_ops) <= 8  # a put/remove pair may end one past 7
+    assert 15 < sum(lengths) / len(lengths) < 90 and max(lengths) < 128  # tens of tokens
+
+
+def test_small_advanced_depths_are_spread_and_splits_apart():
+    depths = [d for prompt, _ in examples("advanced", 400, small=True)
+              for box, d in simulate(prompt)[1].items() if simulate(prompt)[0][box]]
+    share = {d: depths.count(d) / len(depths) for d in set(depths)}
+    assert len(depths) == 800 and max(depths) <= 8  # 2 filled boxes; at most 8 moves
+    assert share[0] > 0.2 and share[1] > 0.2 and share[2] > 0.08 and sum(
+        v for d, v in share.items() if d >= 3) > 0.04  # every depth up to past 3 is taught
+    t = get_task("boxes", boxes_version="advanced", n_train=200, n_test=50, data_seed=3,
+                 cache_dir=None, **SMALL)
+    train, test = signature_split("advanced", 3, **SMALL)
+    assert len(train) == len(test) == 3 and not train & test  # C(4, 2) = 6 initial states
+    for split, allowed in (("train", train), ("test", test)):
+        seen = {initial_signature(decode(row[1:row.tolist().index(SEP)]), "ABCD")
+                for row in t.rows[split]}
+        assert seen <= allowed
+    x, y = t.sample(64, torch.Generator().manual_seed(0))
+    assert t.block_size == 128 and torch.equal(t.solve(x), y)
+    depth = t.chain_depth(x)
+    assert torch.equal(depth == -1, y == -1) and depth.max() >= 3
+
+
+@pytest.mark.parametrize("version, sizes, flag", [
+    ("advanced", dict(n_boxes=9), "--n_boxes"), ("advanced", dict(n_boxes=1), "--n_boxes"),
+    ("advanced", dict(n_filled=0), "--n_filled"), ("advanced", dict(n_boxes=4, n_filled=4), "--n_filled"),
+    ("default", dict(n_filled=2), "--n_filled"), ("advanced", dict(n_objects=4), "--n_objects"),
+    ("advanced", dict(n_objects=101), "--n_objects"), ("default", dict(n_objects=20), "--n_objects"),
+    ("advanced", dict(min_ops=0), "--min_ops"), ("advanced", dict(min_ops=5, max_ops=3), "--max_ops")])
+def test_bad_sizes_fail_naming_the_flag(version, sizes, flag):
+    with pytest.raises(ValueError, match=flag):
+        box_sizes(version, **sizes)
+    with pytest.raises(ValueError, match=flag):
+        get_task("boxes", boxes_version=version, cache_dir=None, **sizes)
+    assert box_sizes(version) == data.PAPER_SIZES[version]  # left out: the paper's
+
+
+def test_bad_sizes_fail_at_the_start_of_train_py_in_one_line():
+    result = subprocess.run([sys.executable, "train.py", "--task", "boxes", "--boxes_version",
+                             "advanced", "--n_boxes", "4", "--n_filled", "4"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "--n_filled 4" in result.stderr
