@@ -345,6 +345,11 @@ class CausalSelfAttention(nn.Module):
         self.fused = True
         self.maps = None  # a list while GPT.attention_maps collects each layer's weights
 
+    @property
+    def attn_name(self):
+        """Its --attn name, read from ATTENTIONS (the registry at the end of this file), so that
+        an error message names the flag's value without a second copy of it."""
+        return next(name for name, cls in ATTENTIONS.items() if cls is type(self))
 
     def queries_keys_values(self, x):
         """x (B, T, C) -> q, k, v, each (B, nh, T, hs): one matmul, then split into heads. nh is
@@ -471,7 +476,7 @@ class ChaCALKeepDiagonal(ChaCALAttention):
 
     def mix(self, q, k, v, cache, depth, groups=None):
         if groups is not None:
-            raise ValueError(NO_GROUPS.format(attn="chacal_diagonal"))
+            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is None:
             return chacal_keep_diagonal(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
         y = chacal_keep_diagonal(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
@@ -562,7 +567,7 @@ class SlidingDilatedAttention(CausalSelfAttention):
 
     def mix(self, q, k, v, cache, depth, groups=None):
         if groups is not None:
-            raise ValueError(NO_GROUPS.format(attn="dilated"))
+            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
@@ -632,7 +637,6 @@ class LEGOAttention(CausalSelfAttention):
 
     kernel_size = 21
     learned_maps = False    # its first heads are the fixed maps, which mimicking cannot shape
-    attn_name = "lego_v0"   # its --attn name, for error messages
     takes_groups = False    # maps read off token ids and a convolution: no mask to restrict
 
     def __init__(self, config):
@@ -687,7 +691,7 @@ class LEGOAttention(CausalSelfAttention):
 
     def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
         if groups is not None:
-            raise ValueError(NO_GROUPS.format(attn="lego_v0/lego_v1"))
+            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is not None:
             raise ValueError("--attn lego_v0/lego_v1 keep no decoding cache; generate with "
                              "use_cache=False")
@@ -729,8 +733,6 @@ class LEGOAttentionV1(LEGOAttention):
     Any replaced head saves: it loses its queries and keys (2·n_embd·hs weights) and its
     T x T softmax, and its channels go to pathways that learn only a value map.
     """
-
-    attn_name = "lego_v1"
 
     def kept_heads(self, n_head):
         if n_head < 2:
