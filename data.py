@@ -569,8 +569,8 @@ class Boxes(Task):
     version="advanced": 8 boxes A-H, 4 holding one item, 1-31 operations (log-uniform), every
     move implicit, only filled boxes described and answered: chains of up to 31 moves.
     n_boxes, n_filled, n_objects, min_ops, max_ops resize a version and keep its rules (None:
-    the paper's sizes, see box_sizes): e.g. 4 boxes, 2 filled, 1-7 moves is an advanced version
-    of tens of tokens whose chains a CPU-sized model can learn.
+    the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 moves is an advanced version
+    of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14.
 
     Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
     template words and 100 objects in one sorted list; word-level, see encode(). A row and its labels (-1 is not scored):

@@ -51,7 +51,7 @@ TINY_ANSWER = "Box A contains the key, Box B is empty, Box C contains the cup an
 
 
 # A small advanced version, the size a CPU can learn in minutes (lesson 4, the README).
-SMALL = dict(n_boxes=4, n_filled=2, n_objects=10, min_ops=1, max_ops=7)
+SMALL = dict(n_boxes=8, n_filled=2, n_objects=10, min_ops=1, max_ops=7)
 
 
 @functools.cache
@@ -307,7 +307,7 @@ def test_small_advanced_answers_equal_the_simulator_and_every_move_is_implicit()
         operations = steps(prompt)
         n_ops.append(len(operations))
         for op, _, after in operations:
-            assert set(after) <= set("ABCD")
+            assert set(after) <= set("ABCDEFGH")  # the 8 boxes of SMALL
             assert not op.startswith("Move") or op.startswith("Move the contents of"), op
             assert set(re.findall(r"the (\w+)", op)) - {"contents"} <= set(OBJECTS[:10]), op
         lengths.append(len(encode(prompt)) + len(encode(answer)) + 3)
@@ -325,9 +325,9 @@ def test_small_advanced_depths_are_spread_and_splits_apart():
     t = get_task("boxes", boxes_version="advanced", n_train=200, n_test=50, data_seed=3,
                  cache_dir=None, **SMALL)
     train, test = signature_split("advanced", 3, **SMALL)
-    assert len(train) == len(test) == 3 and not train & test  # C(4, 2) = 6 initial states
+    assert len(train) == len(test) == 14 and not train & test  # C(8, 2) = 28 initial states
     for split, allowed in (("train", train), ("test", test)):
-        seen = {initial_signature(decode(row[1:row.tolist().index(SEP)]), "ABCD")
+        seen = {initial_signature(decode(row[1:row.tolist().index(SEP)]), "ABCDEFGH")
                 for row in t.rows[split]}
         assert seen <= allowed
     x, y = t.sample(64, torch.Generator().manual_seed(0))
