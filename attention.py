@@ -349,7 +349,8 @@ class CausalSelfAttention(nn.Module):
     def attn_name(self):
         """Its --attn name, read from ATTENTIONS (the registry at the end of this file), so that
         an error message names the flag's value without a second copy of it."""
-        return next(name for name, cls in ATTENTIONS.items() if cls is type(self))
+        return next((name for name, cls in ATTENTIONS.items() if cls is type(self)),
+                    type(self).__name__)  # a subclass of one's own, not in the registry
 
     def queries_keys_values(self, x):
         """x (B, T, C) -> q, k, v, each (B, nh, T, hs): one matmul, then split into heads. nh is
@@ -693,8 +694,8 @@ class LEGOAttention(CausalSelfAttention):
         if groups is not None:
             raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is not None:
-            raise ValueError("--attn lego_v0/lego_v1 keep no decoding cache; generate with "
-                             "use_cache=False")
+            raise ValueError(f"--attn {self.attn_name} keeps no decoding cache; generate with "
+                             f"use_cache=False")
         B, T, C = x.size()
         if token_ids is None:  # a module on its own: negative ids, all distinct, none broadcast
             token_ids = torch.arange(-T, 0, device=x.device).expand(B, T)
@@ -736,8 +737,8 @@ class LEGOAttentionV1(LEGOAttention):
 
     def kept_heads(self, n_head):
         if n_head < 2:
-            raise ValueError(f"--attn lego_v1 replaces half the heads with its pathways: it needs "
-                             f"--n_head 2 or more, not {n_head}")
+            raise ValueError(f"--attn {self.attn_name} replaces half the heads with its pathways: "
+                             f"it needs --n_head 2 or more, not {n_head}")
         return n_head // 2
 
 

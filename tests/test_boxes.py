@@ -50,7 +50,7 @@ TINY_PROMPT = ("The cup is in Box B, there is nothing in Box A, the key and the 
 TINY_ANSWER = "Box A contains the key, Box B is empty, Box C contains the cup and the map."
 
 
-# A small advanced version, the size a CPU can learn in minutes (lesson 4, the README).
+# A small advanced version, the size a CPU trains in minutes (lesson 4, the README).
 SMALL = dict(n_boxes=8, n_filled=2, n_objects=10, min_ops=1, max_ops=7)
 
 
