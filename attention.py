@@ -331,7 +331,9 @@ class CausalSelfAttention(nn.Module):
     """
 
     learned_maps = True  # heads 0 and 1 learn their maps (LEGO's mimicking shapes them)
-    takes_groups = True  # honours the inductive scratchpad's group masks (train.py checks it)
+    # Honours the inductive scratchpad's group masks; where False, forward refuses groups (and
+    # train.py refuses the flags at start).
+    takes_groups = True
 
     def __init__(self, config):
         super().__init__()
@@ -363,6 +365,8 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
+        if groups is not None and not self.takes_groups:
+            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         B, T, C = x.size()
         q, k, v = self.queries_keys_values(x)
         if self.maps is not None:
@@ -476,8 +480,6 @@ class ChaCALKeepDiagonal(ChaCALAttention):
         return chacal_keep_diagonal(q, k, eye, self.gamma, causal=self.causal)
 
     def mix(self, q, k, v, cache, depth, groups=None):
-        if groups is not None:
-            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is None:
             return chacal_keep_diagonal(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
         y = chacal_keep_diagonal(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
@@ -567,8 +569,6 @@ class SlidingDilatedAttention(CausalSelfAttention):
         return self.padded_map(q, self.pad_in_front(k, 1), depth)[..., 1:]
 
     def mix(self, q, k, v, cache, depth, groups=None):
-        if groups is not None:
-            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
@@ -691,7 +691,7 @@ class LEGOAttention(CausalSelfAttention):
         return torch.cat([maps.to(q.dtype), attention_weights(q, k, self.causal)], dim=1)
 
     def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
-        if groups is not None:
+        if groups is not None and not self.takes_groups:  # as CausalSelfAttention.forward
             raise ValueError(NO_GROUPS.format(attn=self.attn_name))
         if cache is not None:
             raise ValueError(f"--attn {self.attn_name} keeps no decoding cache; generate with "
