@@ -585,8 +585,8 @@ class Boxes(Task):
 
     Examples are generated once per (version, sizes, data_seed, n_train, n_test), both splits
     together (train and test never share an initial signature), and cached in cache_dir (None: no
-    cache). Each
-    split's token ids are task.rows[split] (N, block_size); prompt_and_answer(i) serves exact match.
+    cache). Each split's token ids are task.rows[split] (N, block_size); prompt_and_answer(i)
+    serves exact match.
     evaluate() also writes the answers to the first test prompts by greedy generation and scores
     them against the simulator (exact match, and boxes right by chain depth).
     """
