@@ -364,9 +364,14 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, -1, self.head_size).transpose(1, 2)        # (B, nh, T, hs)
         return q, k, v
 
-    def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
+    def refuse_groups(self, groups):
+        """Group masks come from the inductive scratchpad; an attention with takes_groups False
+        cannot honour them and says so, whichever forward it runs."""
         if groups is not None and not self.takes_groups:
             raise ValueError(NO_GROUPS.format(attn=self.attn_name))
+
+    def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
+        self.refuse_groups(groups)
         B, T, C = x.size()
         q, k, v = self.queries_keys_values(x)
         if self.maps is not None:
@@ -691,8 +696,7 @@ class LEGOAttention(CausalSelfAttention):
         return torch.cat([maps.to(q.dtype), attention_weights(q, k, self.causal)], dim=1)
 
     def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
-        if groups is not None and not self.takes_groups:  # as CausalSelfAttention.forward
-            raise ValueError(NO_GROUPS.format(attn=self.attn_name))
+        self.refuse_groups(groups)
         if cache is not None:
             raise ValueError(f"--attn {self.attn_name} keeps no decoding cache; generate with "
                              f"use_cache=False")
