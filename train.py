@@ -88,6 +88,8 @@ def build_parser():
     add("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
     add("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables")
     add("--max_iters", type=int, default=1000, help="training steps")
+    add("--stop_at_acc", type=float, help="stop early at the first evaluation whose test "
+        "accuracy reaches this (e.g. 1.0), taking the final evaluation there; default: never")
     add("--mimic_iters", type=int, default=0, help="first, steps of LEGO's mimicking (heads 0, 1)")
     add = parser.add_argument_group("evaluation, output and system").add_argument
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every N steps")
@@ -220,6 +222,8 @@ def check_numbers(args):
     if args.settings["lr_decay_iters"] is not None and args.lr_decay_iters < args.warmup_iters:
         raise ValueError(f"--lr_decay_iters {args.lr_decay_iters} ends the decay before "
                          f"--warmup_iters {args.warmup_iters} ends the warmup")
+    if args.stop_at_acc is not None and not 0 < args.stop_at_acc <= 1:
+        raise ValueError(f"--stop_at_acc {args.stop_at_acc} must lie in (0, 1]: an accuracy")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block_size {args.block_size} must be at least 1, or left unset")
     if not 0 <= args.seed < 2**63:
@@ -359,7 +363,11 @@ def describe_metrics(record):
 
 
 def train_loop(args, model, optimizer, task, rngs, state, autocast):
-    """Train to max_iters, evaluating and saving every eval_interval steps and at the end."""
+    """Train to max_iters, evaluating and saving every eval_interval steps and at the end; or
+    to the first evaluation that reaches --stop_at_acc."""
+    last = state["metrics"][-1] if state["metrics"] else {}
+    if last.get("stopped_early") and last["eval_acc"] >= (args.stop_at_acc or 0):
+        return  # resuming a stopped run with the same --stop_at_acc: nothing is left to do
     step, window = state["step"], []
     bar = tqdm(total=args.max_iters, initial=step, disable=not args.progress, dynamic_ncols=True)
     tick = time.perf_counter()
@@ -397,12 +405,23 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
             state["train_time"] += time.perf_counter() - tick  # evaluation is not training time
             record = {"step": step, "train_time": round(state["train_time"], 3), "lr": lr,
                       "train_loss": torch.stack(window).mean().item(), **state.pop("first_record", {})}
+            final = step == args.max_iters
             record.update(task.evaluate(model, args.eval_samples, args.batch_size, rngs[1],
-                                        args.device, autocast, final=step == args.max_iters))
+                                        args.device, autocast, final=final))
+            stop = args.stop_at_acc is not None and record["eval_acc"] >= args.stop_at_acc
+            if stop and not final:
+                # Stop here. Only the measures a last evaluation adds (e.g. accuracy by test
+                # length) are taken from a second pass; the accuracy that stopped the run stays.
+                extra = task.evaluate(model, args.eval_samples, args.batch_size, rngs[1],
+                                      args.device, autocast, final=True)
+                record.update({k: v for k, v in extra.items() if k not in record}, stopped_early=True)
+                final = True
             state["metrics"].append(record)
             save_run(args.out_dir, model, optimizer, args, step, state["train_time"], rngs, state["metrics"])
             window = []
             bar.write(f"step {step}: {describe_metrics(record)}")
+            if final:
+                break
             tick = time.perf_counter()
     bar.close()
 
@@ -412,7 +431,8 @@ def summarize(args, config, n_params, metrics):
     final = metrics[-1]
     first_99 = next((f"at step {m['step']} ({m['train_time']:.0f} s)" for m in metrics
                      if m["eval_acc"] >= 0.99), "never")
-    line = (f"done: {args.task}, {config.describe()}, {final['step']} steps in "
+    stopped = f" (stopped: accuracy >= {args.stop_at_acc:.0%})" if final.get("stopped_early") else ""
+    line = (f"done: {args.task}, {config.describe()}, {final['step']} steps{stopped} in "
             f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); accuracy >= 99% "
             f"{first_99}; {describe_metrics(final)}; metrics in {args.out_dir}/metrics.jsonl")
     return {"line": line, "final": final, "metrics": metrics, "n_params": n_params,

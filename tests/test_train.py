@@ -159,6 +159,8 @@ BAD_FLAGS = [
     (["--warmup_iters", "100", "--lr_decay_iters", "50"], "--lr_decay_iters"),
     (["--block_size", "100000000"], "--block_size"),
     (["--out_dir", ""], "--out_dir"),
+    (["--stop_at_acc", "0"], "--stop_at_acc"),
+    (["--stop_at_acc", "95"], "--stop_at_acc"),
     (["--out_dir", "x" * 300], "--out_dir"),
 ]
 
@@ -272,6 +274,28 @@ def test_regular_language_run_scores_every_unseen_length(tmp_path):
     assert final["length_score"] == pytest.approx(sum(final["length_acc"].values()) / 3)
     assert set(final["eval_acc_by_depth"]) <= {str(n) for n in range(1, 7)}  # depth = length
     assert "length score" in summary["line"]
+
+
+def test_stop_at_acc_ends_at_the_first_evaluation_that_reaches_it_and_stays_stopped(tmp_path):
+    flags = ["--task", "parity", "--attn", "dilated", "--share_weights", "--pos", "none",
+             "--n_embd", "16", "--n_head", "2", "--batch_size", "8", "--max_iters", "12",
+             "--lr", "1e-2", "--warmup_iters", "0", "--eval_interval", "2", "--eval_samples", "16",
+             "--max_train_length", "6", "--max_test_length", "9", "--length_samples", "5",
+             "--no-progress", "--device", "cpu"]
+    full = train.main(flags + ["--out_dir", str(tmp_path / "full")])["metrics"]
+    threshold = max(m["eval_acc"] for m in full[:-1])  # reached before the end, by this seed
+    assert threshold > 0
+    first = next(m for m in full if m["eval_acc"] >= threshold)
+    stop = flags + ["--out_dir", str(tmp_path / "stop"), "--stop_at_acc", str(threshold)]
+    summary = train.main(stop)
+    metrics = summary["metrics"]
+    assert [m["step"] for m in metrics] == [m["step"] for m in full if m["step"] <= first["step"]]
+    assert [m["eval_acc"] for m in metrics] == [m["eval_acc"] for m in full[:len(metrics)]]
+    assert metrics[-1]["stopped_early"] and list(metrics[-1]["length_acc"]) == ["7", "8", "9"]
+    assert f"{first['step']} steps (stopped" in summary["line"]
+    assert train.main(stop + ["--resume"])["metrics"] == metrics  # stopped, so nothing to do
+    resumed = train.main(stop + ["--resume", "--stop_at_acc", "1"])  # a higher bar: on it goes
+    assert resumed["metrics"][-1]["step"] > first["step"]
 
 
 def test_regular_languages_change_the_defaults_but_never_a_typed_flag():
