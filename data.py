@@ -1453,11 +1453,13 @@ class Cycles(Task):
              "test_cycle_distance": dict(type=int, help="cycles: the test split's distance "
                                          "(test_cycle_n)"),
              "scratchpad": dict(choices=list(SCRATCHPADS), help="cycles: the answer alone "
-                                "(none), the walk first (full, DFS), or inductive states (none)")}
+                                "(none), the walk first (full, DFS), or inductive states (none)"),
+             "cycle_names": dict(type=int, help="cycles: node names each graph draws its 2n "
+                                 "from (100, or 2n if more; the paper 1000; few are learned sooner)")}
     train_defaults = {"n_layer": 2, "batch_size": 64, "max_iters": 2000}
 
     def __init__(self, cycle_n=5, cycle_distance=None, test_cycle_n=None,
-                 test_cycle_distance=None, scratchpad="none", n_names=100):
+                 test_cycle_distance=None, scratchpad="none", cycle_names=None):
         if scratchpad not in SCRATCHPADS:
             raise ValueError(f"--scratchpad {scratchpad!r}: choose none, full or inductive")
         test_cycle_n = cycle_n if test_cycle_n is None else test_cycle_n
@@ -1474,7 +1476,12 @@ class Cycles(Task):
             self.sizes[split] = (n, distance)
         self.scratchpad = scratchpad
         self.grouped = scratchpad == "inductive"
-        self.n_names = max(n_names, 2 * cycle_n, 2 * test_cycle_n)
+        largest = max(cycle_n, test_cycle_n)
+        cycle_names = max(100, 2 * largest) if cycle_names is None else cycle_names
+        if cycle_names < 2 * largest:
+            raise ValueError(f"--cycle_names {cycle_names}: a graph of {2 * largest} nodes needs at "
+                             f"least {2 * largest} names")
+        self.n_names = cycle_names
         self.vocab = CYCLE_WORDS + [f"v{i}" for i in range(self.n_names)]
         self.token_ids = {word: i for i, word in enumerate(self.vocab)}
         self.vocab_size = len(self.vocab)

@@ -72,6 +72,9 @@ def build_parser():
     add("--n_embd", type=int, default=128, help="width of the residual stream (the MLP is 4x)")
     add("--dropout", type=float, default=0.0, help="dropout on embeddings and residual branches")
     add("--block_size", type=int, help="longest sequence the model accepts; default: the task's")
+    add("--weight_init", default="gpt2", choices=["gpt2", "xavier"], help="gpt2: tied embeddings, "
+        "N(0, 0.02) weights; xavier: untied N(0, 1) embeddings, Xavier weights (PyTorch's "
+        "defaults), with which small models learn lookups by token identity sooner")
     # Task options: each task declares its own (data.Task.flags); a flag goes to the task's
     # constructor, whose default (in brackets) applies when it is left unset.
     add = parser.add_argument_group("task options (left unset: the task's default)").add_argument
@@ -241,7 +244,7 @@ def model_config(args, task):
                          f"and a bidirectional model would read the answer it has to write")
     adaptive = args.n_layer == "auto"
     same = ("n_head", "n_embd", "dropout", "attn", "gamma", "pos", "norm", "share_weights",
-            "thickness", "chunk", "min_train_layers")  # flags named as GPTConfig's fields
+            "thickness", "chunk", "min_train_layers", "weight_init")  # GPTConfig's fields
     config = GPTConfig(block_size=block_size, vocab_size=task.vocab_size, causal=not
                        args.bidirectional, n_layer=1 if adaptive else args.n_layer,
                        adaptive_depth=adaptive, broadcast_ids=tuple(task.broadcast_ids),

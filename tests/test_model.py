@@ -233,3 +233,21 @@ def test_generate_decodes_in_eval_mode_and_restores_the_mode():
     assert torch.equal(model.generate(prompt, 10, temperature=0), in_eval)
     assert model.training
     assert model.can_cache() and not small_model("lego_v0").can_cache()
+
+
+def test_weight_init_gpt2_ties_the_embeddings_and_xavier_follows_pytorchs_defaults():
+    torch.manual_seed(0)
+    config = dict(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_embd=64, attn="standard")
+    gpt2, xavier = GPT(GPTConfig(**config)), GPT(GPTConfig(**config, weight_init="xavier"))
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    assert xavier.lm_head.weight is not xavier.transformer.wte.weight
+    assert gpt2.transformer.wte.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    for embedding in (xavier.transformer.wte, xavier.transformer.wpe):
+        assert embedding.weight.std().item() == pytest.approx(1.0, rel=0.1)
+    fc = xavier.transformer.h[0].mlp.c_fc.weight  # Xavier-uniform: U(±√(6 / (fan_in + fan_out)))
+    bound = (6 / sum(fc.shape)) ** 0.5
+    assert fc.abs().max().item() <= bound and fc.std().item() == pytest.approx(bound / 3 ** 0.5, rel=0.1)
+    assert xavier.lm_head.weight.abs().max().item() <= 1 / 64 ** 0.5  # nn.Linear's own
+    assert xavier.num_params() == gpt2.num_params() + 50 * 64  # the head is a matrix of its own
+    with pytest.raises(ValueError, match="--weight_init"):
+        GPTConfig(**config, weight_init="normal")

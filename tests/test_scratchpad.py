@@ -173,7 +173,8 @@ def test_generation_stops_when_a_state_outgrows_the_position_table():
 # The cycles task.
 
 CYCLE_SETTINGS = [dict(cycle_n=2), dict(cycle_n=5, cycle_distance=3), dict(cycle_n=4),
-                  dict(cycle_n=3, test_cycle_n=6, test_cycle_distance=8)]
+                  dict(cycle_n=3, test_cycle_n=6, test_cycle_distance=8),
+                  dict(cycle_n=4, cycle_names=8)]  # every graph uses every name
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
@@ -190,6 +191,9 @@ def test_cycles_labels_equal_the_solver(options, scratchpad):
         assert ((depth == -1) == (y == -1)).all()
         n, distance = task.sizes[split]
         assert set(depth[y != -1].tolist()) <= {n, distance}
+        names = {int(word[1:]) for row in x for word in task.decode(row).split()
+                 if word[0] == "v" and word[1:].isdigit()}
+        assert max(names) < options.get("cycle_names", 100)
 
 
 def test_cycles_graph_walk_by_hand():
@@ -249,6 +253,7 @@ def test_cycles_smoke_run_through_train_py(tmp_path):
     (["--cycle_distance", "0"], "--cycle_distance"),
     (["--test_cycle_n", "4", "--test_cycle_distance", "8"], "--test_cycle_distance"),
     (["--scratchpad", "dfs"], "--scratchpad"),
+    (["--cycle_n", "4", "--cycle_names", "7"], "--cycle_names"),
 ])
 def test_bad_cycles_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as stopped:
