@@ -187,7 +187,8 @@ def parse_args(argv=None):
         if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_layer()):
             raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
         if args.resume:  # (without positions, block_size bounds nothing learned)
-            changed = [k for k, v in asdict(config).items() if checkpoint["config"].get(k) != v
+            saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
+            changed = [k for k, v in asdict(config).items() if saved[k] != v
                        and not (k == "block_size" and config.pos == "none")]
             if changed:
                 raise ValueError(f"--resume: the run in {args.out_dir} has a different model "

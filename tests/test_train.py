@@ -85,6 +85,19 @@ def test_resume_after_an_interrupt_continues_exactly(tmp_path, monkeypatch):
     assert drop_time(straight) == drop_time(killed)
 
 
+def test_resume_takes_a_model_setting_added_since_the_checkpoint_at_its_default(tmp_path):
+    flags = ["--attn", "standard", "--n_embd", "16", "--n_head", "2", "--n_blocks", "3",
+             "--block_len", "3", "--batch_size", "4", "--max_iters", "2", "--eval_interval", "2",
+             "--eval_samples", "8", "--no-progress", "--device", "cpu", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    path = tmp_path / "ckpt.pt"
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint["config"]["weight_init"]  # as a checkpoint written before the flag existed
+    torch.save(checkpoint, path)
+    resumed = train.main(flags + ["--resume", "--max_iters", "4"])
+    assert resumed["final"]["step"] == 4
+
+
 def test_flags_typed_on_resume_override_the_saved_ones(tmp_path):
     run = ["--out_dir", str(tmp_path), "--no-progress"]
     train.main(TINY[:-2] + ["--max_iters", "2", "--eval_interval", "2", "--lr", "1e-3"] + run)
