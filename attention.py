@@ -214,7 +214,8 @@ class BlockedChaCAL(torch.autograd.Function):
     def forward(ctx, q, k, v, past_k, past_mixed, gamma, block_size):
         n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=-2)     # (B, nh, Tp+Tq, hs)
-        mixed = torch.empty_like(keys)                                      # filled block by block
+        # Filled block by block; as wide as v, which need not be hs (attention_map solves against I).
+        mixed = keys.new_empty(*keys.shape[:-1], v.size(-1))                # (B, nh, Tp+Tq, hs_v)
         if past_k is not None:
             mixed[..., :n_past, :] = past_mixed
         y = torch.empty_like(v)                                             # (B, nh, Tq, hs)

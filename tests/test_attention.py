@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from attention import (ATTENTIONS, attention_weights, chacal_attention, chacal_keep_diagonal,
-                       standard_attention)
+from attention import (ATTENTIONS, CHACAL_BLOCKED_FROM, attention_weights, chacal_attention,
+                       chacal_keep_diagonal, standard_attention)
 from model import GPTConfig
 
 
@@ -241,13 +241,14 @@ def test_dilated_offset_bias_is_one_learned_scalar_per_head_and_step():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_chacal_attention_map_is_the_explicit_inverse(causal):
+@pytest.mark.parametrize("T", [9, CHACAL_BLOCKED_FROM + 3])  # the long one takes the blocked path
+def test_chacal_attention_map_is_the_explicit_inverse(causal, T):
     torch.manual_seed(0)
     attn = ATTENTIONS["chacal"](GPTConfig(n_embd=16, n_head=2, attn="chacal", causal=causal, gamma=0.8))
-    q, k, _ = random_qkv(B=2, nh=2, T=9, hs=8)
+    q, k, _ = random_qkv(B=2, nh=2, T=T, hs=8)
     A = explicit_softmax_attention(q, k) if causal else (q @ k.transpose(-2, -1) / 8 ** 0.5).softmax(-1)
     off_diagonal = A - torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
-    eye = torch.eye(9, dtype=torch.float64)
+    eye = torch.eye(T, dtype=torch.float64)
     expected = 0.2 * torch.linalg.inv(eye - 0.8 * off_diagonal) @ A  # (1-γ)(I - γA')⁻¹A
     torch.testing.assert_close(attn.attention_map(q, k, None, 0), expected)
 
