@@ -718,15 +718,11 @@ class Boxes(Task):
                  if items or self.version == "default"]
         return answer_text == expected, boxes
 
-    def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
-                 autocast=contextlib.nullcontext(), final=False):
-        """Task.evaluate's scores, then the answers to the first n_samples test prompts (the same
-        ones at every evaluation) written by greedy generation, as a user of the model would get
-        them: exact match of the whole answer, and the share of boxes stated exactly, overall and
-        by the box's chain depth. Decoding uses the cache where the model can (GPT.can_cache)."""
-        metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
-        n = min(n_samples, len(self.rows["test"]))
-        exact, hits, counts = 0, {}, {}
+    def write_answers(self, model, n, batch_size, device="cpu", autocast=contextlib.nullcontext()):
+        """The model's answers to the first n test prompts, as texts: greedy generation after each
+        prompt until <eos>, batch_size prompts at a time, with the cache where the model can
+        (GPT.can_cache)."""
+        answers = []
         for start in range(0, n, batch_size):
             prompts = [self.prompt_and_answer(i)[0] for i in range(start, min(n, start + batch_size))]
             lengths = torch.tensor([len(p) for p in prompts])
@@ -735,12 +731,25 @@ class Boxes(Task):
                 out = model.generate(padded, model.config.block_size - int(lengths.max()),
                                      temperature=0, use_cache=model.can_cache(),
                                      stop_token=EOS, prompt_lengths=lengths).cpu()
-            for prompt, length, row in zip(prompts, lengths.tolist(), out.tolist()):
-                right, boxes = self.score_answer(prompt, decode(until_eos(row[length:])))
-                exact += right
-                for depth, box_right in boxes:
-                    hits[depth] = hits.get(depth, 0) + box_right
-                    counts[depth] = counts.get(depth, 0) + 1
+            answers += [decode(until_eos(row[length:]))
+                        for length, row in zip(lengths.tolist(), out.tolist())]
+        return answers
+
+    def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
+                 autocast=contextlib.nullcontext(), final=False):
+        """Task.evaluate's scores, then the answers to the first n_samples test prompts (the same
+        ones at every evaluation) written by greedy generation, as a user of the model would get
+        them (write_answers): exact match of the whole answer, and the share of boxes stated
+        exactly, overall and by the box's chain depth."""
+        metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
+        n = min(n_samples, len(self.rows["test"]))
+        exact, hits, counts = 0, {}, {}
+        for i, text in enumerate(self.write_answers(model, n, batch_size, device, autocast)):
+            right, boxes = self.score_answer(self.prompt_and_answer(i)[0], text)
+            exact += right
+            for depth, box_right in boxes:
+                hits[depth] = hits.get(depth, 0) + box_right
+                counts[depth] = counts.get(depth, 0) + 1
         return {**metrics, "eval_exact_match": exact / n,
                 "eval_box_acc": sum(hits.values()) / sum(counts.values()),
                 "eval_box_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)}}

@@ -229,6 +229,29 @@ def test_answers_are_scored_whole_and_box_by_box():
                                  "the map.") == (True, [(0, True), (1, True)])
 
 
+class SimulatorModel:
+    """Stands in for a GPT in write_answers: it writes the simulator's answer after each prompt."""
+
+    config = type("Config", (), {"block_size": 128})
+
+    def can_cache(self):
+        return True
+
+    def generate(self, prompts, max_new_tokens, temperature, use_cache, stop_token, prompt_lengths):
+        rows = []
+        for prompt, length in zip(prompts.tolist(), prompt_lengths.tolist()):
+            answer = render_answer(simulate(decode(prompt[1:length - 1]))[0], with_empty=False)
+            rows.append(torch.tensor(prompt[:length] + encode(answer) + [EOS, PAD, PAD]))
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def test_written_answers_follow_the_test_prompts_in_order():
+    t = task("advanced")
+    answers = t.write_answers(SimulatorModel(), n=5, batch_size=2)  # batches of 2, 2 and 1
+    assert answers == [t.prompt_and_answer(i)[1] for i in range(5)]
+    assert all(t.score_answer(t.prompt_and_answer(i)[0], a)[0] for i, a in enumerate(answers))
+
+
 def test_docstring_example_labels_and_chain_depth():
     t = task("default")
     answer = encode(TINY_ANSWER) + [EOS]
