@@ -94,9 +94,9 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
     (`BlockedChaCAL`) applies the same row equation to one block of queries at a time, the
     earlier blocks entering through their keys and mixed values exactly as a cache does, and
     recomputes A in its backward: O(T·hs) memory instead of O(T²). `block_size` is the number of
-    query rows per block; None picks the blocked path (with CHACAL_BLOCK_SIZE) from
-    CHACAL_BLOCKED_FROM new tokens on, where it is also the faster one, and 0 takes the
-    one-solve path.
+    query rows per block; 0 takes the one-solve path, and None picks by device: the blocked
+    path (with CHACAL_BLOCK_SIZE) from CHACAL_BLOCKED_FROM[device type] new tokens on, where it
+    is also the faster one, and the one-solve path on a device without an entry.
 
     Without the causal mask (a bidirectional model, as for LEGO) the system is dense; it stays
     solvable because every row of γA' sums to at most γ < 1, so I - γA' is diagonally dominant.
@@ -116,7 +116,7 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
         raise ValueError(f"gamma={gamma} is outside [0, 1): the bidirectional solve needs γ < 1, "
                          f"and (1-γ) keeps each output a weighted average of values")
     if block_size is None:
-        long = q.size(-2) >= CHACAL_BLOCKED_FROM
+        long = q.size(-2) >= CHACAL_BLOCKED_FROM.get(q.device.type, math.inf)
         block_size = CHACAL_BLOCK_SIZE if causal and visible is None and long else 0
     if block_size and (not causal or visible is not None):
         raise ValueError("the blocked ChaCAL path is causal, without a mask (a bidirectional "
@@ -152,8 +152,12 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 # forward + backward, blocks of 32 beat blocks of 64 or 128 up to T = 512 and match them beyond;
 # the one-solve path is faster up to T = 64 (its T x T matrices are still small there), the
 # blocked one from T = 128 on (0.8x the time at 128, 0.2-0.4x at 256).
+# A GPU has no entry: there the blocked path's Python loop of small solves, one launch after
+# another, is what costs. bench.py's one-layer training step (d 512, bf16, T 128) took 2.6x
+# standard attention's time on an H200 by the blocked path, and 1.3x on an H100 by one solve. A
+# GPU run whose T x T maps do not fit in its memory gives "cuda" an entry here.
 CHACAL_BLOCK_SIZE = 32
-CHACAL_BLOCKED_FROM = 128
+CHACAL_BLOCKED_FROM = {"cpu": 128}
 
 
 def block_weights(q_block, keys, log_normaliser=None):

@@ -246,8 +246,10 @@ def short_sequences(tokens, size, dtype, device, repeats):
     and that it never costs more than the one-solve path: forward + backward at the model's
     batch of `tokens` tokens."""
     n_head, head_size = size["n_head"], size["n_embd"] // size["n_head"]
+    blocked_from = CHACAL_BLOCKED_FROM.get(torch.device(device).type)
+    switch = f"switches to blocked from T = {blocked_from}" if blocked_from else "one solve at every T here"
     print(f"\n6b. ChaCAL's automatic path vs its two paths, forward + backward, {tokens} tokens per "
-          f"batch, fastest of {repeats} runs in turns (switches to blocked from T = {CHACAL_BLOCKED_FROM})")
+          f"batch, fastest of {repeats} runs in turns ({switch})")
     print(f"{'T':>6} {'one-solve ms':>13} {'blocked ms':>11} {'auto ms':>9} {'auto/one-solve':>15}")
     worst = 0.0
     for T in [32, 64, 128, 192, 256, 512]:

@@ -241,7 +241,7 @@ def test_dilated_offset_bias_is_one_learned_scalar_per_head_and_step():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("T", [9, CHACAL_BLOCKED_FROM + 3])  # the long one takes the blocked path
+@pytest.mark.parametrize("T", [9, CHACAL_BLOCKED_FROM["cpu"] + 3])  # the long one takes the blocked path
 def test_chacal_attention_map_is_the_explicit_inverse(causal, T):
     torch.manual_seed(0)
     attn = ATTENTIONS["chacal"](GPTConfig(n_embd=16, n_head=2, attn="chacal", causal=causal, gamma=0.8))
@@ -339,12 +339,12 @@ def test_blocked_chacal_gradients_match_one_solve_and_finite_differences(block_s
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-def test_chacal_picks_the_blocked_path_from_the_threshold_on(monkeypatch):
+def test_chacal_picks_the_blocked_path_from_its_device_threshold_on(monkeypatch):
     import attention
     calls = []
     monkeypatch.setattr(attention.BlockedChaCAL, "apply",
                         lambda *args: calls.append(args) or torch.zeros(()))
-    monkeypatch.setattr(attention, "CHACAL_BLOCKED_FROM", 8)
+    monkeypatch.setattr(attention, "CHACAL_BLOCKED_FROM", {"cpu": 8})
     for T, blocked in [(7, False), (8, True)]:
         calls.clear()
         chacal_attention(*random_qkv(T=T), 0.9)
@@ -353,6 +353,10 @@ def test_chacal_picks_the_blocked_path_from_the_threshold_on(monkeypatch):
     assert len(calls) == 1
     with pytest.raises(ValueError, match="block_size"):
         chacal_attention(*random_qkv(T=8), 0.9, causal=False, block_size=4)
+    calls.clear()
+    monkeypatch.setattr(attention, "CHACAL_BLOCKED_FROM", {"cuda": 8})  # the cpu has no entry
+    chacal_attention(*random_qkv(T=8), 0.9)
+    assert not calls
 
 
 def test_blocked_chacal_solves_in_float32_under_autocast():
