@@ -554,6 +554,17 @@ def _read_dataset(path, modified):
                          f"and it will be generated again") from None
 
 
+def share_right(scores):
+    """The share of (depth, right) pairs that are right."""
+    return sum(right for _, right in scores) / len(scores)
+
+
+def share_right_by_depth(scores):
+    """{depth: share right} of (depth, right) pairs, depths in order, as text (JSON's keys)."""
+    depths = sorted({depth for depth, _ in scores})
+    return {str(d): share_right([score for score in scores if score[0] == d]) for d in depths}
+
+
 class Boxes(Task):
     """Entity tracking in text, the boxes dataset of the ChaCAL paper (Section 5.2, Tables 5-6).
 
@@ -588,7 +599,7 @@ class Boxes(Task):
     cache). Each split's token ids are task.rows[split] (N, block_size); prompt_and_answer(i)
     serves exact match.
     evaluate() also writes the answers to the first test prompts by greedy generation and scores
-    them against the simulator (exact match, and boxes right by chain depth).
+    them against the simulator (score_answers: exact match, and boxes right, by chain depth).
     """
 
     generates_answer = True
@@ -735,24 +746,34 @@ class Boxes(Task):
                         for length, row in zip(lengths.tolist(), out.tolist())]
         return answers
 
+    def score_answers(self, answers):
+        """Scores of the answers to the first len(answers) test prompts: exact match, overall and
+        by the answer's depth, and the share of boxes stated exactly, overall and by the box's.
+
+        An answer's depth is its deepest box's. Exact match by it separates the answers whose
+        chains a model follows from those it does not; box accuracy by depth cannot, where boxes
+        share a fate: with two filled boxes, a model that loses one item's chain may write the two
+        items swapped, and its shallow box is wrong with its deep one.
+        """
+        answer_scores, box_scores = [], []  # (depth, right) of every answer, of every box
+        for i, text in enumerate(answers):
+            right, boxes = self.score_answer(self.prompt_and_answer(i)[0], text)
+            answer_scores.append((max((depth for depth, _ in boxes), default=0), right))
+            box_scores += boxes
+        return {"eval_exact_match": share_right(answer_scores),
+                "eval_exact_match_by_depth": share_right_by_depth(answer_scores),
+                "eval_box_acc": share_right(box_scores),
+                "eval_box_acc_by_depth": share_right_by_depth(box_scores)}
+
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        """Task.evaluate's scores, then the answers to the first n_samples test prompts (the same
-        ones at every evaluation) written by greedy generation, as a user of the model would get
-        them (write_answers): exact match of the whole answer, and the share of boxes stated
-        exactly, overall and by the box's chain depth."""
+        """Task.evaluate's scores, then those of the answers to the first n_samples test prompts
+        (the same ones at every evaluation) written by greedy generation, as a user of the model
+        would get them (write_answers, score_answers)."""
         metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
         n = min(n_samples, len(self.rows["test"]))
-        exact, hits, counts = 0, {}, {}
-        for i, text in enumerate(self.write_answers(model, n, batch_size, device, autocast)):
-            right, boxes = self.score_answer(self.prompt_and_answer(i)[0], text)
-            exact += right
-            for depth, box_right in boxes:
-                hits[depth] = hits.get(depth, 0) + box_right
-                counts[depth] = counts.get(depth, 0) + 1
-        return {**metrics, "eval_exact_match": exact / n,
-                "eval_box_acc": sum(hits.values()) / sum(counts.values()),
-                "eval_box_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)}}
+        return {**metrics, **self.score_answers(self.write_answers(model, n, batch_size, device,
+                                                                   autocast))}
 
     def example(self, generator, prompt=None, length=None):
         """A test prompt drawn with generator, or a typed prompt text: (ids <bos>..<sep>, length)."""

@@ -252,6 +252,26 @@ def test_written_answers_follow_the_test_prompts_in_order():
     assert all(t.score_answer(t.prompt_and_answer(i)[0], a)[0] for i, a in enumerate(answers))
 
 
+def test_answers_are_scored_by_their_deepest_box():
+    t = task("advanced")
+    truths = [t.prompt_and_answer(i)[1] for i in range(40)]
+    swapped = [re.sub(r"the (\w+)(.*)the (\w+)", r"the \3\2the \1", a) for a in truths]
+    answers = [s if i % 3 == 0 else a for i, (a, s) in enumerate(zip(truths, swapped))]
+    # The reference: exact match and box accuracy counted answer by answer, box by box.
+    exact, boxes = {}, {}
+    for i, answer in enumerate(answers):
+        depth = simulate(decode(t.prompt_and_answer(i)[0][1:-1].tolist()))[1]
+        stated, truth = parse_answer(answer), parse_answer(truths[i])
+        exact.setdefault(max(depth[b] for b in truth), []).append(answer == truths[i])
+        for b in truth:
+            boxes.setdefault(depth[b], []).append(stated[b] == truth[b])
+    scores = t.score_answers(answers)
+    assert scores["eval_exact_match"] == sum(a == b for a, b in zip(answers, truths)) / 40 < 1
+    assert scores["eval_exact_match_by_depth"] == {str(d): sum(v) / len(v) for d, v in sorted(exact.items())}
+    assert scores["eval_box_acc_by_depth"] == {str(d): sum(v) / len(v) for d, v in sorted(boxes.items())}
+    assert t.score_answers(truths)["eval_exact_match_by_depth"] == {d: 1.0 for d in sorted(map(str, exact))}
+
+
 def test_docstring_example_labels_and_chain_depth():
     t = task("default")
     answer = encode(TINY_ANSWER) + [EOS]
