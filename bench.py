@@ -211,7 +211,7 @@ def long_sequences(lengths, size, dtype, device, repeats):
             results[T][path] = seconds, peak_memory(path, T, n_head, head_size, dtype, device)
         (t_f, m_f), (t_o, m_o), (t_b, m_b) = (results[T][path] for path in LONG_PATHS)
         print(f"{T:>6}" + "".join(f" {t * 1e3:>13.1f} {m:>14.1f}" for t, m in results[T].values())
-              + f" {t_b / t_f:>10.2f}x {ratio(m_b, m_f):>9.2f}x {t_b / t_o:>12.2f}x {ratio(m_b, m_o):>11.2f}x")
+              + f" {t_b / t_f:>10.2f}x {times(m_b, m_f):>10} {t_b / t_o:>12.2f}x {times(m_b, m_o):>12}")
     if 4096 in results:
         (t_f, m_f), (t_o, m_o), (t_b, m_b) = (results[4096][path] for path in LONG_PATHS)
         target("blocked ChaCAL peak memory / fused standard at T = 4096", m_b / m_f, "<=", 2)
@@ -220,9 +220,10 @@ def long_sequences(lengths, size, dtype, device, repeats):
     return results
 
 
-def ratio(a, b):
-    """a / b, or nan where b is 0 (a short sequence whose peak stayed within a memory page)."""
-    return a / b if b else float("nan")
+def times(a, b):
+    """a / b as text, "1.25x", or "-" where b is 0 (a short sequence whose peak stayed within a
+    memory page)."""
+    return f"{a / b:.2f}x" if b else "-"
 
 
 def fastest_of_rounds(fns, device, repeats):
