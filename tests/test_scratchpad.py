@@ -196,6 +196,53 @@ def test_cycles_labels_equal_the_solver(options, scratchpad):
         assert max(names) < options.get("cycle_names", 100)
 
 
+def expected_completion(words, scratchpad, n, distance):
+    """The words after a cycles prompt, from its text alone: walk the edges from A by hand, and
+    check the graph is what the task promises (two n-cycles, or one 2n-cycle with B `distance`
+    steps ahead of A). Inductive rows are in the training form: each closed state twice."""
+    query = words.index("?")
+    successor = dict(zip(words[0:query - 1:4], words[2:query - 1:4]))
+    a, b = words[query - 1], words[query + 1]
+    walk = [a]
+    while len(walk) == 1 or walk[-1] != a:  # around A's whole cycle
+        walk.append(successor[walk[-1]])
+    connected = b in walk
+    assert len(successor) == 2 * n and len(walk) - 1 == (2 * n if connected else n)
+    if connected:
+        assert walk.index(b) == distance
+        walk = walk[:distance + 1]
+    answer = ["1" if connected else "0", "."]
+    if scratchpad == "none":
+        return answer
+    if scratchpad == "full":
+        return " > ".join(walk).split() + [";"] + answer
+    return [word for node in walk[1:] for word in (node, "#", node, "#")] + answer
+
+
+@pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
+@pytest.mark.parametrize("options", CYCLE_SETTINGS[:4])
+def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scratchpad):
+    """Independent of the task's own walk and row builder: the text after each prompt is what
+    walking its edges gives, and y scores exactly the next word outside the prompt, the copies
+    of states and the padding."""
+    task = get_task("cycles", scratchpad=scratchpad, **options)
+    for split in ("train", "test"):
+        x, y = task.sample(16, torch.Generator().manual_seed(2), split=split)
+        for row, labels in zip(x.tolist(), y.tolist()):
+            words = [task.vocab[i] for i in row]
+            n_prompt = words.index("?") + 3 + (scratchpad == "inductive")  # ... ; then ":"
+            completion = expected_completion(words, scratchpad, *task.sizes[split])
+            end = n_prompt + len(completion)
+            assert words[n_prompt:end] == completion and set(words[end:]) <= {"<pad>"}
+            scored = [labels[t] != -1 for t in range(len(row))]
+            copy = [scratchpad == "inductive" and 0 < t - n_prompt < len(completion) - 2
+                    and (t - n_prompt) % 4 >= 2 for t in range(len(row))]  # 2nd "node #" of each 4
+            for t in range(len(row)):
+                should = n_prompt - 1 <= t < end - 1 and not copy[t + 1]
+                assert scored[t] == should, (words, t)
+                assert not should or labels[t] == row[t + 1]
+
+
 def test_cycles_graph_walk_by_hand():
     task = Cycles(cycle_n=2, scratchpad="inductive")
     # v1 > v2 > v3 > v4 > v1, one 4-cycle; A = v1, B = v3 two steps ahead.
