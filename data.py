@@ -62,7 +62,7 @@ class Task:
         """Loss and accuracy on n_samples fresh test sequences, overall and per chain depth.
         final: the last evaluation of a run, where a task may measure more."""
         batches = self.evaluation_batches(n_samples, batch_size, generator)
-        return score_batches(model, batches, self.chain_depth, device, autocast)
+        return score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
 
     def example(self, generator, prompt=None, length=None):
         """(x (1, T), n_prompt) for sample.py: a fresh test sequence, or the typed prompt encoded.
@@ -82,6 +82,10 @@ class Task:
         for an ordinary task; positions and groups (B, T) for the inductive scratchpad."""
         return {}
 
+    def decode(self, ids):
+        """The words of token ids, for a task with a word list self.vocab (others override)."""
+        return " ".join(self.vocab[int(i)] for i in ids)
+
     def generate(self, model, idx, max_new_tokens, use_cache=True):
         """The model's greedy continuation of prompts idx (B, T), up to stop_token: (B, T + new)."""
         return model.generate(idx, max_new_tokens, temperature=0, use_cache=use_cache,
@@ -99,8 +103,8 @@ class Task:
 
 
 @torch.no_grad()
-def score_batches(model, batches, chain_depth, device="cpu", autocast=contextlib.nullcontext(),
-                  layout=lambda x: {}):
+def score_batches(model, batches, chain_depth, layout, device="cpu",
+                  autocast=contextlib.nullcontext()):
     """Loss and accuracy of model on batches of (x, y), overall and by chain depth, and the share
     of sequences with every scored token right. For an answer decoded greedily that share is its
     exact match: each greedy step then sees the same prefix as here, so it writes the same token.
@@ -588,7 +592,7 @@ class Boxes(Task):
 
         x       <bos> the cup ... Box C  .  <sep> Box A        contains ... map .     <eos> <pad>
         y       -1    -1  -1  ... -1  -1 -1 Box   A   contains the      ... .   <eos> -1    -1
-        depth   -1    -1  -1  ... -1  -1 -1 1     1   1        1        ... 2   2     -1    -1
+        depth   -1    -1  -1  ... -1  -1 -1 0     0   0        0        ... 1   1     -1    -1
 
     so y[t] = x[t+1] while x[t+1] is an answer token or <eos>: only the answer is scored. Its
     chain depth is the reference depth of the box its clause names (simulate(): the implicit
@@ -653,9 +657,8 @@ class Boxes(Task):
     def _generate(self, n, signatures, stream):
         rng = random.Random(f"boxes-{self.version}-{stream}")
         # Room for any example: <= 13 tokens per described box, per answered box and per
-        # operation (one more: a put/remove pair may end past max_ops), plus 3 specials;
-        # trimmed to the longest example afterwards.
-        width = 3 + 2 * 13 * self.sizes["n_boxes"] + 13 * (self.sizes["max_ops"] + 1)
+        # operation, plus 3 specials; trimmed to the longest example afterwards.
+        width = 3 + 2 * 13 * self.sizes["n_boxes"] + 13 * self.sizes["max_ops"]
         rows = torch.zeros(n, width, dtype=torch.uint8)
         for i in tqdm(range(n), desc=f"boxes {self.version} {stream}", disable=n < 10_000):
             prompt, answer = generate_example(rng, self.version, signatures, **self.sizes)
@@ -900,25 +903,17 @@ class LabelAtEnd(Task):
             metrics.update(length_acc=by_length, length_score=sum(by_length.values()) / len(by_length))
         return metrics
 
-    @torch.no_grad()
     def accuracy_by_length(self, model, generator, device="cpu", autocast=contextlib.nullcontext()):
         """{length: share of length_samples fresh strings labelled right} at every test length.
         Batches hold up to 2^16 tokens."""
-        was_training = model.training
-        model.eval()
         accuracy = {}
         for length in tqdm(self.test_lengths, desc="test lengths", disable=None, leave=False):
             per_batch = max(1, min(self.length_samples, 2 ** 16 // length))
-            hits = 0
-            for start in range(0, self.length_samples, per_batch):
-                x, y = self.sample(min(per_batch, self.length_samples - start), generator,
+            batches = (self.sample(min(per_batch, self.length_samples - start), generator,
                                    length=length)
-                with autocast:
-                    logits, _ = model(x.to(device))
-                right = (logits.argmax(dim=-1).cpu() == y) | (y == -1)
-                hits += right.all(dim=1).sum().item()
-            accuracy[str(length)] = hits / self.length_samples
-        model.train(was_training)
+                       for start in range(0, self.length_samples, per_batch))
+            scores = score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
+            accuracy[str(length)] = scores["eval_whole_sequences"]
         return accuracy
 
     def example(self, generator, prompt=None, length=None):
@@ -935,9 +930,6 @@ class LabelAtEnd(Task):
         for row, ids in enumerate(x.tolist()):
             y[row, -1] = self.vocab.index(self.answer([self.vocab[i] for i in ids]))
         return y
-
-    def decode(self, ids):
-        return " ".join(self.vocab[int(i)] for i in ids)
 
     def describe(self, x, y=None, predictions=None):
         """Two lines about one sequence x (T,): the string (middle cut if long) and labels."""
@@ -1405,9 +1397,6 @@ class LEGO(Task):
             raise ValueError(f"lego ({self.group}): tokens outside the vocabulary: {unknown[:5]}")
         return torch.tensor([self.token_ids[word] for word in text.split()])
 
-    def decode(self, ids):
-        return " ".join(self.vocab[int(i)] for i in ids)
-
     def describe(self, x, y=None, predictions=None):
         """Lines about one sentence x (T,): the sentence, then every variable's value in chain
         order, truth (from solve) and model; only positions y scores are counted (all if None)."""
@@ -1610,7 +1599,7 @@ class Cycles(Task):
         return torch.where(self.solve(x) != -1, steps[:, None], -1)
 
     def layout(self, x):
-        """The inductive scratchpad's positions and groups of x (scratchpad.inductive_layout);
+        """The inductive scratchpad's positions and groups of x (model.inductive_layout);
         nothing for the other formats."""
         if self.scratchpad != "inductive":
             return {}
@@ -1619,7 +1608,7 @@ class Cycles(Task):
 
     def generate(self, model, idx, max_new_tokens, use_cache=True):
         """Greedy answers to prompts idx (B, T), under the inductive scratchpad's masks if it
-        is the format (scratchpad.generate_inductive), else as GPT.generate."""
+        is the format (model.generate_inductive), else as GPT.generate."""
         if self.scratchpad == "inductive":
             return generate_inductive(model, idx, max_new_tokens, CYCLE_START, CYCLE_SEP,
                                       temperature=0, use_cache=use_cache, stop_token=CYCLE_STOP)
@@ -1631,7 +1620,7 @@ class Cycles(Task):
         generation (with the cache where the model can): eval_answer_acc is the share of test
         prompts whose written answer (the token before the first ".") is the right 0 or 1."""
         batches = list(self.evaluation_batches(n_samples, batch_size, generator))
-        metrics = score_batches(model, batches, self.chain_depth, device, autocast, self.layout)
+        metrics = score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
         right = 0
         for x, _ in batches:
             prompts = torch.tensor(self.prompts(x), device=device)
@@ -1820,8 +1809,10 @@ class Text(Task):
         for row, ids in enumerate(x.tolist()):
             needle = np.asarray(ids, dtype=self.ids.dtype).tobytes()
             at = corpus.find(needle)
-            while at % width:  # a match must start at a token, not inside one
+            while at > 0 and at % width:  # a match must start at a token, not inside one
                 at = corpus.find(needle, at + 1)
+            if at < 0:
+                raise ValueError(f"row {row} of x does not occur in the text")
             after = at // width + 1
             y[row] = torch.from_numpy(self.ids[after:after + len(ids)].astype(np.int64))
         return y

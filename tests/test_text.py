@@ -62,6 +62,8 @@ def test_labels_are_the_next_bytes_against_the_brute_force_solver(corpus):
     assert x.shape == y.shape == (32, 16) and torch.equal(y[:, :-1], x[:, 1:])
     assert torch.equal(y, task.solve(x))  # every position scored, the last one included
     assert (task.chain_depth(x) == 0).all()
+    with pytest.raises(ValueError, match="row 0 of x does not occur"):
+        task.solve(torch.full((1, 16), 255))  # not ASCII: in no window of the corpus
 
 
 def test_the_worked_example_of_the_docstring(tmp_path):
@@ -81,6 +83,8 @@ def test_gpt2_token_files_are_read_as_uint16(tmp_path):
     assert task.vocab_size == 50257 and len(task.ids) == 3000
     x, y = task.sample(8, torch.Generator().manual_seed(0))
     assert x.max() < 50257 and torch.equal(y, task.solve(x))
+    with pytest.raises(ValueError, match="does not occur"):  # two-byte tokens: the search ends too
+        task.solve(torch.zeros(1, 32, dtype=torch.long))
 
 
 def test_perplexity_is_exp_of_the_validation_loss(corpus):
