@@ -78,6 +78,9 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 
         (I - γA') Y = (1-γ) A V.
 
+    The paper's Eq. 5 writes the product the other way round, (1-γ)A(I - γA)⁻¹V; the two agree
+    while the diagonal stays in the inverse, and with A' they do not: we follow Eq. 7, the solve.
+
     The series behind it, Y = (1-γ)(A + γA'A + γ²A'²A + ...)V, sums the paths of every length
     through the attention graph: one layer follows a chain of references to its end.
 
@@ -114,13 +117,15 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
     """
     if not 0.0 <= gamma < 1.0:
         raise ValueError(f"gamma={gamma} is outside [0, 1): the bidirectional solve needs γ < 1, "
-                         f"and (1-γ) keeps each output a weighted average of values")
+                         f"and (1-γ) keeps every row of the map summing to at most 1")
     if block_size is None:
         long = q.size(-2) >= CHACAL_BLOCKED_FROM.get(q.device.type, math.inf)
         block_size = CHACAL_BLOCK_SIZE if causal and visible is None and long else 0
     if block_size and (not causal or visible is not None):
         raise ValueError("the blocked ChaCAL path is causal, without a mask (a bidirectional "
                          "system is dense); pass block_size=None or 0")
+    if not causal and past_k is not None:
+        raise ValueError("a bidirectional ChaCAL layer has no cache: it sees every token")
     dtype = torch.promote_types(v.dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -135,8 +140,6 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
         A = attention_weights(q, k, causal, visible)               # (B, nh, Tq, Tp+Tq)
         rhs = A @ values                                           # (B, nh, Tq, hs)
         if not causal:
-            if past_k is not None:
-                raise ValueError("a bidirectional ChaCAL layer has no cache: it sees every token")
             off_diagonal = A - torch.diag_embed(A.diagonal(dim1=-2, dim2=-1))
             eye = torch.eye(A.size(-1), dtype=dtype, device=A.device)
             return torch.linalg.solve(eye - gamma * off_diagonal, rhs)
@@ -332,10 +335,12 @@ class CausalSelfAttention(nn.Module):
     bidirectional model (config.causal False, for LEGO) drops it. Parameter names follow GPT-2
     (`c_attn` holds W_q, W_k, W_v; `c_proj` is W_o), so GPT.from_pretrained maps its weights.
 
-    Subclasses change how the heads mix their values by overriding `mix` alone.
+    Subclasses change how the heads mix their values by overriding `mix` (and `attention_map`,
+    the map that the lessons draw).
     """
 
     learned_maps = True  # heads 0 and 1 learn their maps (LEGO's mimicking shapes them)
+    decodes_with_cache = True  # GPT.generate may decode one token at a time against a cache
     # Honours the inductive scratchpad's group masks; where False, forward refuses groups (and
     # train.py refuses the flags at start).
     takes_groups = True
@@ -436,6 +441,8 @@ class ChaCALAttention(CausalSelfAttention):
             visible = None if groups is None else group_visibility(groups, groups)
             return chacal_attention(q, k, v, self.gamma, causal=self.causal,
                                     visible=visible).to(v.dtype)
+        # The cache holds keys and mixed values in the model's dtype, as any KV cache holds its
+        # values: under bf16 autocast, decoding rounds the m_t that a full pass keeps in float32.
         # With groups, the new tokens see the cached ones their groups allow (key groups: the
         # cached ones' and their own).
         visible = None
@@ -649,6 +656,7 @@ class LEGOAttention(CausalSelfAttention):
     kernel_size = 21
     learned_maps = False    # its first heads are the fixed maps, which mimicking cannot shape
     takes_groups = False    # maps read off token ids and a convolution: no mask to restrict
+    decodes_with_cache = False  # its maps see every token (LEGO is a bidirectional task)
 
     def __init__(self, config):
         super().__init__(config)  # gives c_attn (resized by v1, dropped by v0), c_proj (C -> C)

@@ -257,7 +257,8 @@ class GPT(nn.Module):
         """Whether generate() can decode against a cache: not under adaptive depth (the layer
         count grows with the sequence), nor with LEGO attention (its maps see every token)."""
         return (not self.config.adaptive_depth
-                and not any(name.startswith("lego") for name in self.config.attention_per_layer()))
+                and all(ATTENTIONS[name].decodes_with_cache
+                        for name in self.config.attention_per_layer()))
 
     def new_caches(self):
         """One empty LayerCache per layer, to pass to forward() when decoding."""
@@ -405,9 +406,11 @@ class GPT(nn.Module):
                                                 else [idx.size(1)] * idx.size(0), device=idx.device)
         idx = idx[:, :int(lengths.min())]
         end = int(lengths.max()) + max_new_tokens
-        if self.config.pos == "learned" and end > self.config.block_size:
+        read = end - 1  # the model never reads the last token it writes
+        if self.config.pos == "learned" and read > self.config.block_size:
             raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
-                             f"({max_new_tokens}) is longer than block_size {self.config.block_size}")
+                             f"({max_new_tokens}) has the model read {read} tokens, more than "
+                             f"block_size {self.config.block_size}")
         was_training = self.training
         self.eval()
         caches = self.new_caches() if use_cache else None

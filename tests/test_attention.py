@@ -49,6 +49,19 @@ def test_chacal_keeps_the_diagonal_out_of_the_inverse():
     assert (chacal_attention(q, k, v, gamma) - with_diagonal).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("gamma", [0.5, 0.9, 0.99])
+def test_chacal_rows_sum_between_one_minus_gamma_and_one(gamma):
+    """(1-γ)(I - γA')⁻¹·1: token 0 has no chain behind it and keeps 1-γ; a row's sum grows with the
+    weight its chain carries below the diagonal, never past 1. Kept in the inverse, the diagonal
+    makes every row a weighted average: (I - γA)⁻¹(1-γ)·1 = 1."""
+    q, k, _ = random_qkv(T=12)
+    ones = torch.ones(2, 3, 12, 1, dtype=torch.float64)
+    sums = chacal_attention(q, k, ones, gamma)[..., 0]
+    torch.testing.assert_close(sums[..., 0], torch.full((2, 3), 1 - gamma, dtype=torch.float64))
+    assert (sums[..., 1:] > 1 - gamma).all() and (sums <= 1 + 1e-12).all()
+    torch.testing.assert_close(chacal_keep_diagonal(q, k, ones, gamma), ones)
+
+
 def test_chacal_is_the_fixed_point_of_its_iteration():
     # Y = γA'Y + (1-γ)AV: iterate Z <- γA'Z + (1-γ)AV from zero (the paper's Eq. 6, diagonal
     # removed from the recurrent term) until it stops moving.
