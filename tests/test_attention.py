@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attention import (ATTENTIONS, CHACAL_BLOCKED_FROM, attention_weights, chacal_attention,
-                       chacal_keep_diagonal, standard_attention)
+                       chacal_keep_diagonal, group_visibility, standard_attention)
 from model import GPTConfig
 
 
@@ -47,6 +47,23 @@ def test_chacal_keeps_the_diagonal_out_of_the_inverse():
     gamma, A = 0.9, explicit_softmax_attention(q, k)
     with_diagonal = (1 - gamma) * torch.linalg.inv(torch.eye(A.size(-1), dtype=A.dtype) - gamma * A) @ A @ v
     assert (chacal_attention(q, k, v, gamma) - with_diagonal).abs().max() > 1e-3
+
+
+def test_chacal_under_group_masks_equals_explicit_masked_inverse():
+    """The inductive scratchpad's masks with ChaCAL: A is the softmax over the keys each row may
+    see (built here with loops), and Y = (I - γA')⁻¹(1-γ)AV in float64."""
+    q, k, v = random_qkv(T=10)
+    groups = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
+    A = torch.zeros(2, 3, 10, 10, dtype=torch.float64)
+    for b in range(2):
+        for t in range(10):
+            seen = [j for j in range(t + 1) if groups[b, j] in (0, groups[b, t])]
+            scores = q[b, :, t:t + 1] @ k[b, :, seen].transpose(-2, -1) / 2  # √hs = 2
+            A[b, :, t, seen] = scores.softmax(dim=-1)[:, 0]
+    no_diagonal = A - torch.diag_embed(torch.diagonal(A, dim1=-2, dim2=-1))
+    expected = torch.linalg.inv(torch.eye(10, dtype=A.dtype) - 0.9 * no_diagonal) @ (0.1 * A @ v)
+    y = chacal_attention(q, k, v, 0.9, visible=group_visibility(groups, groups))
+    torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.99])
