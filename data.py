@@ -1472,7 +1472,7 @@ class Cycles(Task):
              "test_cycle_distance": dict(type=int, help="cycles: the test split's distance "
                                          "(test_cycle_n)"),
              "scratchpad": dict(choices=list(SCRATCHPADS), help="cycles: the answer alone "
-                                "(none), the walk first (full, DFS), or inductive states (none)"),
+                                "(none), the walk first (full, DFS), or inductive states; default none"),
              "cycle_names": dict(type=int, help="cycles: node names each graph draws its 2n "
                                  "from (100, or 2n if more; the paper 1000; few are learned sooner)")}
     train_defaults = {"n_layer": 2, "batch_size": 64, "max_iters": 2000}

@@ -84,6 +84,9 @@ class GPTConfig:
         if self.chunk < 2:
             raise ValueError(f"--chunk {self.chunk} must be at least 2: a chunk of 1 never looks "
                              f"past the token itself")
+        if self.chunk != 2 and not self.adaptive_depth and "dilated" not in names:
+            raise ValueError(f"--chunk {self.chunk} only means something with --attn dilated or "
+                             f"--n_layer auto; add one or drop it")
         if self.thickness < 1:
             raise ValueError(f"--thickness {self.thickness} must be at least 1")
         if self.thickness > 1 and not self.share_weights and "dilated" not in names:

@@ -10,7 +10,7 @@ Run a trained model on one example of its task and print its answers beside the 
 The task decides what the model does with the example. Most tasks give a sequence that the model
 reads as a decoder would: a prompt at once (for ChaCAL, one triangular solve), then one token at a
 time against the per-layer cache, its prediction at each position being its answer there. A task
-that generates_answer (boxes, text) gives a prompt, after which the model writes greedily.
+that generates_answer (data.Task) gives a prompt, after which the model writes greedily.
 The cache changes only the speed. A bidirectional model, or one that cannot keep a cache
 (adaptive depth, LEGO attention), reads the whole sequence in one pass.
 """
@@ -41,8 +41,8 @@ def read_token_by_token(model, x, n_prompt, use_cache=True):
 def main(argv=None):
     parser = OneLineErrors(prog="sample.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--out_dir", default="out", help="the run whose ckpt.pt to load")
-    parser.add_argument("--prompt", default=None, help="your own input, in the task's words "
-                        "(toy: token ids; boxes, text: the text); default: a fresh test example")
+    parser.add_argument("--prompt", default=None, help="your own input, in the words of the "
+                        "task's docstring (toy: token ids); default: a fresh test example")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh example")
     parser.add_argument("--length", type=int, default=None, help="regular languages: length of "
                         "the fresh example (default: a training length); longer tests extrapolation")
@@ -59,20 +59,21 @@ def main(argv=None):
         run = checkpoint["args"]
         task = task_from_settings(run)
         x, n_prompt = task.example(torch.Generator().manual_seed(args.seed), args.prompt, args.length)
+        flag = "--prompt" if args.prompt is not None else "--length"
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
-            raise ValueError(f"--length {x.size(1)}: this model has learned positions up to "
-                             f"{model.config.block_size}; a model trained with --pos none runs "
-                             f"at any length")
+            raise ValueError(f"{flag}: {x.size(1)} tokens, and this model has learned positions "
+                             f"up to {model.config.block_size}; a model trained with --pos none "
+                             f"runs at any length")
+        room = model.config.block_size - x.size(1)
+        if task.generates_answer and room < 1:
+            raise ValueError(f"{flag}: {x.size(1)} tokens leave no room to answer within "
+                             f"block_size {model.config.block_size}")
     except ValueError as error:
         parser.error(str(error))
     use_cache = not args.no_cache and model.config.causal and model.can_cache()
     print(f"{run['task']}, {model.config.describe()}, step {checkpoint['step']}:")
     x = x.to(device)
     if task.generates_answer:
-        room = model.config.block_size - x.size(1)
-        if room < 1:
-            parser.error(f"--prompt: {x.size(1)} tokens leave no room to answer within "
-                         f"block_size {model.config.block_size}")
         synchronize(device)
         start = time.perf_counter()
         out = task.generate(model, x, room, use_cache)  # greedy, the task's masks if any

@@ -1,5 +1,5 @@
 """
-Train a GPT with standard or ChaCAL attention on a task, with fresh data every step.
+Train a GPT with any attention of attention.py on a task, with fresh data every step.
 
     python train.py --attn chacal --task toy                  # 1 ChaCAL layer: >99% in about a minute on a CPU
     python train.py --attn standard --task toy                # 1 standard layer: stuck near 20%
@@ -50,6 +50,7 @@ def build_parser():
     add = parser.add_argument
     add("--task", default="toy", choices=list(TASKS), metavar="TASK", help="what to learn: "
         + ", ".join(TASKS) + " (a task may change the defaults of some flags: the run says which)")
+    add = parser.add_argument_group("attention").add_argument
     add("--attn", default="chacal", help="attention of every layer (" + ", ".join(ATTENTIONS)
         + "), or one per layer: standard,chacal")
     add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention "
@@ -96,7 +97,8 @@ def build_parser():
     add("--mimic_iters", type=int, default=0, help="first, steps of LEGO's mimicking (heads 0, 1)")
     add = parser.add_argument_group("evaluation, output and system").add_argument
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every N steps")
-    add("--eval_samples", type=int, default=1024, help="test sequences (boxes: answers) per eval")
+    add("--eval_samples", type=int, default=1024, help="test sequences per evaluation (a task "
+        "that writes answers: the prompts it answers)")
     add("--out_dir", default="out", help="where ckpt.pt and metrics.jsonl go; a fresh run "
         "replaces an earlier one there only when it saves its first checkpoint")
     add("--resume", action="store_true", help="continue the run in out_dir; typed flags override")
@@ -160,7 +162,9 @@ def parse_args(argv=None):
     try:
         if args.resume:  # defaults, then the run's saved settings, then what was typed now
             checkpoint = load_checkpoint(args.out_dir)
-            settings = {**vars(parser.parse_args([])), **checkpoint["args"], **typed}
+            # out_dir stays the one read from, so a copied run goes on in the copy
+            settings = {**vars(parser.parse_args([])), **checkpoint["args"], **typed,
+                        "out_dir": args.out_dir}
             if settings["task"] != checkpoint["args"]["task"]:
                 raise ValueError(f"--task {settings['task']}: the run in {args.out_dir} learned "
                                  f"{checkpoint['args']['task']}; drop --task to continue it")
@@ -256,7 +260,10 @@ def model_config(args, task):
                          "needs --n_head 2 or more, and an --attn whose heads learn their maps")
     with torch.device("meta"):  # counts the parameters without allocating them
         needed = 16 * GPT(config).num_params()  # bytes: weights, gradients, Adam's 2 moments
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): the check is skipped
+        memory = math.inf
     if needed > memory / 2:
         raise ValueError(f"this model needs about {needed / 2**30:.1f} GiB to train, more than "
                          f"half of this machine's memory: lower --block_size, --n_embd or --n_layer")
@@ -266,8 +273,15 @@ def model_config(args, task):
 def initial_weights(args, task, typed, checkpoint=None):
     """--init_from: (config, weights) of a run's model or a GPT-2's, with this command's --attn,
     --gamma and --dropout; a typed flag changing its shape is an error. (Resuming: its own.)"""
-    if checkpoint is None and os.path.exists(os.path.join(args.init_from, "ckpt.pt")):
-        checkpoint = load_checkpoint(args.init_from, flag="--init_from", needs=())
+    name = args.init_from
+    # A path, not a model on the Hugging Face hub ("gpt2", "org/name"): no download is tried.
+    path = (os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
+            or os.path.isdir(os.path.dirname(name) or name))
+    if checkpoint is None and os.path.exists(os.path.join(name, "ckpt.pt")):
+        checkpoint = load_checkpoint(name, flag="--init_from", needs=())
+    elif checkpoint is None and path and not os.path.exists(os.path.join(name, "config.json")):
+        raise ValueError(f"--init_from {name}: no ckpt.pt there (a run saves one at its first "
+                         f"evaluation), nor a GPT-2 saved by transformers")
     elif checkpoint is None:  # a name, or a directory of transformers' save_pretrained
         try:
             gpt2 = GPT.from_pretrained(args.init_from)
@@ -402,7 +416,7 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
             bar.close()
             raise SystemExit(f"train.py: error: the training loss became {mean_loss} by step "
                              f"{step}; the run stops, its checkpoints so far untouched. "
-                             f"Lower --lr, or clip gradients with --grad_clip")
+                             f"Lower --lr or --grad_clip")
         bar.set_postfix(loss=f"{mean_loss:.4f}")
         if evaluating:
             synchronize(args.device)
@@ -451,13 +465,13 @@ def main(argv=None):
     resuming = f", resuming at step {state['step']}" if state["step"] else ""
     print(f"{args.task}: {config.describe()}, {model.num_params() / 1e6:.2f}M parameters, "
           f"{args.device} {args.dtype}{resuming}")
-    if args.mimic_iters and state["step"] == 0:  # LEGO's, on unlabelled sequences of the task
-        batches = (task.sample(args.batch_size, rngs[0])[0].to(args.device) for _ in
-                   tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress))
-        losses = mimic(model, batches, args.lr, (args.beta1, args.beta2), autocast)
-        print(f"mimicking: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.mimic_iters} steps")
-        state["first_record"] = {"mimic_loss": [losses[0], losses[-1]]}  # kept in the first record
     try:
+        if args.mimic_iters and state["step"] == 0:  # LEGO's, on unlabelled sequences of the task
+            batches = (task.sample(args.batch_size, rngs[0])[0].to(args.device) for _ in
+                       tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress))
+            losses = mimic(model, batches, args.lr, (args.beta1, args.beta2), autocast)
+            print(f"mimicking: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.mimic_iters} steps")
+            state["first_record"] = {"mimic_loss": [losses[0], losses[-1]]}  # in the first record
         train_loop(args, model, optimizer, task, rngs, state, autocast)
     except KeyboardInterrupt:
         saved = state["metrics"][-1]["step"] if state["metrics"] else 0

@@ -135,6 +135,12 @@ def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_
     assert texts[0] == texts[1]
     sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])  # a validation window's start
     assert "--- prompt (4 tokens) ---" in capsys.readouterr().out
+    for prompt, why in (("x" * 16, "16 tokens leave no room"), ("x" * 20, "learned positions")):
+        with pytest.raises(SystemExit):  # one line naming the flag typed, before any output
+            sample.main(["--out_dir", str(tmp_path), "--prompt", prompt, "--device", "cpu"])
+        out, err = capsys.readouterr()
+        assert "step 30:" not in out and len(err.splitlines()) == 1  # no header before it
+        assert "--prompt" in err and why in err, err
 
 
 def first_step(argv):

@@ -98,6 +98,14 @@ def test_resume_takes_a_model_setting_added_since_the_checkpoint_at_its_default(
     assert resumed["final"]["step"] == 4
 
 
+def test_resume_writes_where_it_read_even_from_a_copied_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --resume alone continues ./out, whatever out_dir it was saved with
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", "first"])
+    os.rename("first", "out")
+    train.main(["--resume", "--max_iters", "4", "--no-progress"])
+    assert torch.load("out/ckpt.pt", weights_only=False)["step"] == 4 and not os.path.exists("first")
+
+
 def test_flags_typed_on_resume_override_the_saved_ones(tmp_path):
     run = ["--out_dir", str(tmp_path), "--no-progress"]
     train.main(TINY[:-2] + ["--max_iters", "2", "--eval_interval", "2", "--lr", "1e-3"] + run)
@@ -139,6 +147,8 @@ BAD_FLAGS = [
     (["--attn", "standard,chacal"], "--attn"),
     (["--resume", "--out_dir", "no/such/run"], "--resume"),
     (["--attn", "dilated", "--chunk", "1"], "--chunk"),
+    (["--chunk", "3"], "--chunk"),  # chacal: no chunk to size
+    (["--init_from", "no/such/run"], "--init_from"),  # a path, not a model name: no download
     (["--n_layer", "auto"], "--share_weights"),
     (["--n_layer", "0"], "--n_layer"),
     (["--p_one", "0.3"], "--p_one"),
