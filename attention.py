@@ -74,7 +74,8 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
                      block_size=None):
     """ChaCAL: Y = (1-γ)·(I - γA')⁻¹·A·V, where A' = A with its diagonal removed.
 
-    Computed without any inverse, as the unit lower-triangular system (paper, Eq. 7)
+    Computed without any inverse, as the unit lower-triangular system of the paper's Eq. 7, with
+    the diagonal taken out of its B = I - γA (Section 4.1):
 
         (I - γA') Y = (1-γ) A V.
 

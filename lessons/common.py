@@ -1,7 +1,7 @@
 """
 What the lesson notebooks share: their set-up, and running many trainings for a table.
 
-    from common import SCALE, REUSE, DEVICE, train_many, max_avg, TOY_TABLE, toy_table_flags, blind_guess
+    from common import SCALE, REUSE, DEVICE, OUT, describe_setup, train_many, TOY_TABLE, toy_table_flags
 
 SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
 laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
@@ -24,8 +24,9 @@ from data import task_from_settings  # noqa: E402
 
 SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DEVICE_NAME = torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({os.cpu_count()} cores)"
+DEVICE = train.pick_device("auto")  # where train.py's runs go, so the lessons read them there
+DEVICE_NAME = {"cuda": torch.cuda.get_device_name() if DEVICE == "cuda" else "",
+               "mps": "mps (Apple GPU)"}.get(DEVICE) or f"cpu ({os.cpu_count()} cores)"
 # Where runs go: out/ at the cpu and gpu scales, and apart from them at the smoke scale, so that
 # the tests' tiny runs never replace a lesson's real ones.
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
@@ -124,11 +125,3 @@ def main_logged(argv, log, threads):
     os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
     with open(log, "w") as file, contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
         return train.main(list(argv) + ["--no-progress"])
-
-
-def max_avg(summaries, key=None):
-    """(Max, Avg, scores) over runs of several seeds, as the RegularGPT paper reports them: of
-    the score on the test lengths where the task has one (length_score), else test accuracy."""
-    key = key or ("length_score" if "length_score" in summaries[0]["final"] else "eval_acc")
-    scores = [summary["final"][key] for summary in summaries]
-    return max(scores), sum(scores) / len(scores), scores

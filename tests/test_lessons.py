@@ -39,13 +39,6 @@ def test_lesson_executes_at_smoke_scale(path, monkeypatch):
     assert not errors
 
 
-def test_max_avg_reports_the_length_score_where_a_task_has_one():
-    runs = [{"final": {"eval_acc": 0.9, "length_score": 0.5}},
-            {"final": {"eval_acc": 0.8, "length_score": 0.7}}]
-    assert common.max_avg(runs) == (0.7, pytest.approx(0.6), [0.5, 0.7])
-    assert common.max_avg([{"final": {"eval_acc": 0.25}}]) == (0.25, 0.25, [0.25])
-
-
 def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_path):
     # Each spawned worker gets one CPU thread; so does the sequential reference, so that both
     # sum in the same order and must agree to the last digit.
