@@ -275,11 +275,11 @@ def initial_weights(args, task, typed, checkpoint=None):
     --gamma and --dropout; a typed flag changing its shape is an error. (Resuming: its own.)"""
     name = args.init_from
     # A path, not a model on the Hugging Face hub ("gpt2", "org/name"): no download is tried.
-    path = (os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
-            or os.path.isdir(os.path.dirname(name) or name))
+    looks_local = (os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
+                   or os.path.isdir(os.path.dirname(name)))
     if checkpoint is None and os.path.exists(os.path.join(name, "ckpt.pt")):
         checkpoint = load_checkpoint(name, flag="--init_from", needs=())
-    elif checkpoint is None and path and not os.path.exists(os.path.join(name, "config.json")):
+    elif checkpoint is None and looks_local and not os.path.isfile(f"{name}/config.json"):
         raise ValueError(f"--init_from {name}: no ckpt.pt there (a run saves one at its first "
                          f"evaluation), nor a GPT-2 saved by transformers")
     elif checkpoint is None:  # a name, or a directory of transformers' save_pretrained

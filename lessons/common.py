@@ -25,8 +25,8 @@ from data import task_from_settings  # noqa: E402
 SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
 DEVICE = train.pick_device("auto")  # where train.py's runs go, so the lessons read them there
-DEVICE_NAME = {"cuda": torch.cuda.get_device_name() if DEVICE == "cuda" else "",
-               "mps": "mps (Apple GPU)"}.get(DEVICE) or f"cpu ({os.cpu_count()} cores)"
+DEVICE_NAME = (torch.cuda.get_device_name() if DEVICE == "cuda" else "mps (Apple GPU)"
+               if DEVICE == "mps" else f"cpu ({os.cpu_count()} cores)")
 # Where runs go: out/ at the cpu and gpu scales, and apart from them at the smoke scale, so that
 # the tests' tiny runs never replace a lesson's real ones.
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
