@@ -126,6 +126,13 @@ def typed_flags(parser, args, argv):
     return {dest: getattr(args, dest) for dest in typed}
 
 
+def with_task_defaults(args, typed):
+    """args with the task's preferred settings (train_defaults) wherever a flag was not typed."""
+    for flag, value in task_class(args.task).train_defaults.items():
+        setattr(args, flag, typed.get(flag, value))
+    return args
+
+
 def pick_device(name):
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if name == "auto":
@@ -170,8 +177,7 @@ def parse_args(argv=None):
                                  f"{checkpoint['args']['task']}; drop --task to continue it")
             args = argparse.Namespace(**settings)
         else:  # the task's preferred settings, unless typed
-            for flag, value in task_class(args.task).train_defaults.items():
-                setattr(args, flag, typed.get(flag, value))
+            args = with_task_defaults(args, typed)
             print("".join(f"task {args.task} sets --{k} {v}\n" for k, v
                           in task_class(args.task).train_defaults.items() if k not in typed), end="")
         # What a checkpoint saves: the settings before anything below resolves them, so a resumed

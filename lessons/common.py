@@ -1,11 +1,13 @@
 """
 What the lesson notebooks share: their set-up, and running many trainings for a table.
 
-    from common import SCALE, REUSE, DEVICE, OUT, describe_setup, train_many, TOY_TABLE, toy_table_flags
+    from common import SCALE, DEVICE, OUT, describe_setup, train_many, reuse_if_saved
+    from common import TOY_TABLE, toy_table_flags, blind_guess  # lessons 00 and 01's toy task
 
 SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
 laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
-NANOCHACAL_REUSE=1 continues the runs an interruption stopped and takes finished ones as they are.
+NANOCHACAL_REUSE=1 continues the runs an interruption stopped and takes finished ones as they are
+(any other value: every run starts over). Runs go under out/ (out/gpu, out/smoke at those scales).
 """
 
 import concurrent.futures
@@ -23,14 +25,18 @@ import train  # noqa: E402
 from data import task_from_settings  # noqa: E402
 
 SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
+if SCALE not in ("smoke", "cpu", "gpu"):
+    raise SystemExit(f"NANOCHACAL_SCALE={SCALE!r}: use smoke, cpu or gpu")
 REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
 DEVICE = train.pick_device("auto")  # where train.py's runs go, so the lessons read them there
+# The cores this process may use (a container or taskset may allow fewer than the machine has).
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 DEVICE_NAME = (torch.cuda.get_device_name() if DEVICE == "cuda" else "mps (Apple GPU)"
-               if DEVICE == "mps" else f"cpu ({os.cpu_count()} cores)")
-# Where runs go: out/ at the cpu and gpu scales, and apart from them at the smoke scale, so that
-# the tests' tiny runs never replace a lesson's real ones.
+               if DEVICE == "mps" else f"cpu ({CORES} cores)")
+# Where runs go: out/ at the cpu scale (the committed lessons' runs), out/gpu and out/smoke at the
+# others, so that no scale ever takes another's saved runs for its own.
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
-                   *(["smoke"] if SCALE == "smoke" else []))
+                   *([SCALE] if SCALE != "cpu" else []))
 
 
 # The paper's toy task (16 blocks of 8: chains of 15 hops), trained with one set of flags for every
@@ -82,12 +88,15 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
     """
     parser = train.build_parser()
     out_dirs = [parser.parse_known_args(argv)[0].out_dir for argv in argvs]
+    twice = sorted({d for d in out_dirs if out_dirs.count(d) > 1})
+    if twice:  # two runs would overwrite each other's checkpoints
+        raise ValueError(f"train_many: more than one run writes to {', '.join(twice)}")
     if resume_saved:
         argvs = [reuse_if_saved(argv) for argv in argvs]
     if jobs == 1:
         return [train.main(argv) for argv in argvs]
     context = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+    threads = max(1, CORES // min(jobs, len(argvs)))
     logs = [os.path.join(out_dir, "log.txt") for out_dir in out_dirs]
     started = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -113,15 +122,31 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
 
 
 def reuse_if_saved(argv):
-    """argv, with --resume if its out_dir holds a checkpoint: a finished run is then taken as it
-    is, an interrupted one continued. Lessons 00 and 01 share their toy-task runs so."""
-    out_dir = train.build_parser().parse_known_args(argv)[0].out_dir
-    return list(argv) + ["--resume"] * os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+    """argv, with --resume if its out_dir holds a checkpoint of a run with the same settings: a
+    finished run is then taken as it is, an interrupted one continued. Lessons 00 and 01 share
+    their toy-task runs so. A saved run with other settings (flags edited since) stops the lesson:
+    taking it would report a different run as this one."""
+    parser = train.build_parser()
+    args = parser.parse_args(argv)
+    path = os.path.join(args.out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        return list(argv)
+    try:
+        saved = train.load_checkpoint(args.out_dir)["args"]
+    except ValueError as error:
+        raise SystemExit(str(error))
+    wanted = vars(train.with_task_defaults(args, train.typed_flags(parser, args, argv)))
+    differ = [f"--{k} {saved.get(k)} (now {v})" for k, v in wanted.items()
+              if k not in ("out_dir", "resume", "progress") and saved.get(k, v) != v]
+    if differ:
+        raise SystemExit(f"{args.out_dir} holds a run with other settings: {', '.join(differ)}; "
+                         f"delete that directory to train this run afresh")
+    return list(argv) + ["--resume"]
 
 
 def main_logged(argv, log, threads):
     """train.main(argv) in a worker of train_many: `threads` CPU threads, output to `log`."""
     torch.set_num_threads(threads)
     os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
-    with open(log, "w") as file, contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
+    with open(log, "a") as file, contextlib.redirect_stdout(file), contextlib.redirect_stderr(file):
         return train.main(list(argv) + ["--no-progress"])

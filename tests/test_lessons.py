@@ -61,12 +61,20 @@ def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_pa
     assert "step 6:" in (tmp_path / "parallel" / "0" / "log.txt").read_text()
 
 
-def test_train_many_takes_saved_runs_as_they_are_only_when_asked(tmp_path, capsys):
+def test_train_many_takes_saved_runs_as_they_are_only_when_asked(tmp_path, capsys, monkeypatch):
     flags = TINY + ["--max_iters", "4", "--eval_interval", "2"]
     finished = flags + ["--out_dir", str(tmp_path / "finished")]
     stopped = flags + ["--out_dir", str(tmp_path / "stopped")]
     first = train.main(finished)
-    train.main(stopped + ["--max_iters", "2"])  # the last of a repeated flag wins
+    schedule = train.learning_rate
+    def interrupt_at_step_3(step, args):  # Ctrl-C after the checkpoint of step 2
+        if step == 3:
+            raise KeyboardInterrupt
+        return schedule(step, args)
+    monkeypatch.setattr(train, "learning_rate", interrupt_at_step_3)
+    with pytest.raises(SystemExit, match="holds step 2"):
+        train.main(stopped)
+    monkeypatch.setattr(train, "learning_rate", schedule)
     saved = json.loads((tmp_path / "stopped" / "metrics.jsonl").read_text())
     again, resumed = common.train_many([finished, stopped], resume_saved=True)
     assert again["final"] == first["final"]  # train_time included: it did not train again
@@ -74,6 +82,18 @@ def test_train_many_takes_saved_runs_as_they_are_only_when_asked(tmp_path, capsy
     capsys.readouterr()
     common.train_many([finished], resume_saved=False)  # every run starts over
     assert "holds an earlier run" in capsys.readouterr().out
+
+
+def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
+    out = ["--out_dir", str(tmp_path / "run")]
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2"] + out)
+    assert common.reuse_if_saved(TINY + ["--max_iters", "2", "--eval_interval", "2"] + out)[-1] == "--resume"
+    with pytest.raises(SystemExit, match=r"--n_embd 32 \(now 64\).*delete that directory"):
+        common.reuse_if_saved([*TINY, "--max_iters", "2", "--eval_interval", "2", *out, "--n_embd", "64"])
+    with pytest.raises(SystemExit, match=r"--max_iters 2 \(now 1000\)"):  # a flag no longer typed
+        common.reuse_if_saved(TINY + ["--eval_interval", "2"] + out)
+    with pytest.raises(ValueError, match="more than one run writes to"):
+        common.train_many([TINY + out, TINY + out])
 
 
 def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path):
