@@ -260,6 +260,23 @@ def test_bench_measures_every_section_at_a_tiny_size():
     assert bench.count_step("standard", 32, 32, heads, **lego)[0] > counts["standard"][0]
 
 
+def test_bench_long_sequences_and_its_verdicts(capsys):
+    import bench
+    results = bench.long_sequences([16], dict(n_embd=16, n_head=2), torch.float32, "cpu", repeats=1)
+    assert list(results[16]) == bench.LONG_PATHS  # each path timed, its memory from a fresh process
+    assert all(seconds > 0 and mib >= 0 for seconds, mib in results[16].values())
+    calls = []
+    bench.fastest_of_rounds([lambda i=i: calls.append(i) for i in range(3)], "cpu", repeats=3)
+    assert calls == [0, 1, 2] + [0, 1, 2] + [1, 2, 0] + [2, 0, 1]  # a warm-up, then rotating turns
+    capsys.readouterr()
+    bench.target("x", 1.2, "<=", 1.1)
+    bench.target("x", 1.0, "<=", 1.1)
+    bench.target("x", float("nan"), "<=", 1.1)
+    bench.target("x", 2.0, "<=", 1.1, judged_here=False)
+    verdicts = [line.rsplit(", ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert verdicts == ["MISSED", "met", "not measured on this device", "not judged on this device"]
+
+
 def test_boxes_run_trains_and_answers_a_typed_prompt(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the boxes data cache goes to ./data_cache
     summary = train.main(["--task", "boxes", "--n_train", "64", "--n_test", "16", "--n_layer", "2",
