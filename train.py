@@ -189,6 +189,9 @@ def parse_args(argv=None):
         args.n_layer = args.n_layer or ("auto" if args.share_weights else 1)
         args.norm = args.norm or ("post" if args.n_layer == "auto" else "pre")
         check_numbers(args)
+        if args.bidirectional and task_class(args.task).generates_answer:  # before building it
+            raise ValueError(f"--bidirectional: task {args.task} is scored by generating its "
+                             f"answer, and a bidirectional model would read the answer it writes")
         task = task_from_settings(vars(args))
         if args.init_from:  # the model of the weights (resuming, of the run's own checkpoint)
             config, checkpoint = initial_weights(args, task, typed, checkpoint)
@@ -250,9 +253,6 @@ def model_config(args, task):
     if task.block_size > block_size:
         raise ValueError(f"--block_size {block_size} is shorter than the {task.block_size}-token "
                          f"sequences of task {args.task}; raise it or leave it unset")
-    if args.bidirectional and task.generates_answer:
-        raise ValueError(f"--bidirectional: task {args.task} is scored by generating its answer, "
-                         f"and a bidirectional model would read the answer it has to write")
     adaptive = args.n_layer == "auto"
     same = ("n_head", "n_embd", "dropout", "attn", "gamma", "pos", "norm", "share_weights",
             "thickness", "chunk", "min_train_layers", "weight_init")  # GPTConfig's fields

@@ -437,6 +437,24 @@ def test_mimicking_lowers_the_mimicking_loss(causal):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_mimicking_loss_is_the_reverse_kl_to_each_heads_target():
+    tokens = torch.tensor([[5, 7, 5, 9, 7, 5]])
+    maps = torch.rand(1, 3, 6, 6, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    # By hand, in float64: smooth each map as the targets are, then Σ_k p_k log(p_k / q_k) per
+    # query, averaged over queries; head 0 against manipulation, head 1 against association.
+    smooth = lambda m: (m + 1e-3) / (m + 1e-3).sum(-1, keepdim=True)
+    manipulation = torch.tensor([[{0: 4, 1: 2, 2: 1}.get(abs(i - j), 0) for j in range(6)]
+                                 for i in range(6)], dtype=torch.double)
+    association = torch.tensor([[float(a == b and i != j) for j, b in enumerate(tokens[0].tolist())]
+                                for i, a in enumerate(tokens[0].tolist())], dtype=torch.double)
+    expected = 0.0
+    for head, target in ((0, smooth(manipulation)), (1, smooth(association))):
+        p = smooth(maps[0, head].double())
+        expected += (p * (p / target).log()).sum(-1).mean().item()
+    assert abs(mimicking_loss([maps], tokens, causal=False).item() - expected) < 1e-5
+    assert abs(mimicking_loss([maps, maps], tokens, causal=False).item() - 2 * expected) < 1e-5
+
+
 def test_mimicking_targets_follow_their_definitions():
     tokens = torch.tensor([[5, 7, 5, 9, 7, 5]])
     manipulation, association = mimicking_targets(tokens, causal=False)

@@ -133,6 +133,23 @@ def test_the_cache_keeps_the_question_and_two_states_only(attn, monkeypatch):
     assert len(caches[0][0]) == 4 + len(previous) + len(current.split())
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_inductive_generation_stops_once_every_row_wrote_the_stop_token(use_cache):
+    model = sep_friendly(small_model("chacal"))
+    prompts = torch.randint(0, START, (4, 6), generator=torch.Generator().manual_seed(4))
+    prompts[:, -1] = START
+    out = generate_inductive(model, prompts, 40, START, SEP, temperature=1.0, use_cache=use_cache,
+                             generator=torch.Generator().manual_seed(6), stop_token=SEP)
+    first = [row.index(SEP) for row in out[:, 6:].tolist()]  # every row wrote one
+    assert min(first) < max(first) == out.size(1) - 7  # it ran on until the last row's first
+    alone = [generate_inductive(model, prompts[r:r + 1], 40, START, SEP, temperature=0,
+                                use_cache=use_cache, stop_token=SEP) for r in range(4)]
+    together = generate_inductive(model, prompts, 40, START, SEP, temperature=0,
+                                  use_cache=use_cache, stop_token=SEP)
+    for r, row in enumerate(alone):  # greedy: a row writes the same beside others, up to its stop
+        assert torch.equal(together[r, :row.size(1)], row[0])
+
+
 def test_greedy_inductive_generation_writes_the_same_with_and_without_cache():
     model = sep_friendly(small_model("chacal"))
     prompts = torch.randint(0, START, (3, 6), generator=torch.Generator().manual_seed(2))
@@ -179,11 +196,10 @@ CYCLE_SETTINGS = [dict(cycle_n=2), dict(cycle_n=5, cycle_distance=3), dict(cycle
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
 @pytest.mark.parametrize("options", CYCLE_SETTINGS)
-def test_cycles_labels_equal_the_solver(options, scratchpad):
+def test_cycles_rows_are_balanced_within_their_block_and_names(options, scratchpad):
     task = get_task("cycles", scratchpad=scratchpad, **options)
     for split in ("train", "test"):
         x, y = task.sample(32, torch.Generator().manual_seed(0), split=split)
-        assert torch.equal(task.solve(x), y)
         assert x.size(1) <= task.block_size and int(x.max()) < task.vocab_size
         answers = [row[row.index(".") - 1] for row in (task.decode(r).split() for r in x)]
         assert answers.count("1") == answers.count("0") == 16  # balanced
@@ -220,14 +236,15 @@ def expected_completion(words, scratchpad, n, distance):
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
-@pytest.mark.parametrize("options", CYCLE_SETTINGS[:4])
+@pytest.mark.parametrize("options", CYCLE_SETTINGS)
 def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scratchpad):
-    """Independent of the task's own walk and row builder: the text after each prompt is what
-    walking its edges gives, and y scores exactly the next word outside the prompt, the copies
-    of states and the padding."""
+    """Independent of the task's own walk and row builder (which sample() and solve() share):
+    the text after each prompt is what walking its edges gives, and y, as solve() gives it too,
+    scores exactly the next word outside the prompt, the copies of states and the padding."""
     task = get_task("cycles", scratchpad=scratchpad, **options)
     for split in ("train", "test"):
         x, y = task.sample(16, torch.Generator().manual_seed(2), split=split)
+        assert torch.equal(task.solve(x), y)
         for row, labels in zip(x.tolist(), y.tolist()):
             words = [task.vocab[i] for i in row]
             n_prompt = words.index("?") + 3 + (scratchpad == "inductive")  # ... ; then ":"
@@ -275,7 +292,7 @@ def test_cycles_layout_is_for_the_inductive_format_only():
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
-def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad):
+def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad, monkeypatch):
     task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_embd=32,
@@ -283,6 +300,22 @@ def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad)
     metrics = task.evaluate(model, 6, 4, torch.Generator().manual_seed(0))
     assert 0 <= metrics["eval_answer_acc"] <= 1 and metrics["eval_loss"] > 0
     assert set(metrics["eval_acc_by_depth"]) == {"3"}
+    # Generation replaced by a writer of known answers (the walk by hand's): right in prompts
+    # 0, 2, 4, flipped in 1 and 3, none in 5 (no "." written): the answer accuracy is 3 / 6.
+    ids = task.token_ids
+    written = iter(range(6))
+    def write(model, prompts, room, use_cache=True):
+        rows = []
+        for prompt in prompts.tolist():
+            k = next(written)
+            words = [task.vocab[i] for i in prompt]
+            right = expected_completion(words, "none", *task.sizes["test"])[0]
+            answer = {"1": "0", "0": "1"}[right] if k in (1, 3) else right
+            tail = [ids["v0"]] * (room - 2) + [ids[answer], ids["."]] if k < 5 else [ids["v0"]] * room
+            rows.append(prompt + tail)
+        return torch.tensor(rows)
+    monkeypatch.setattr(task, "generate", write)
+    assert task.evaluate(model, 6, 4, torch.Generator().manual_seed(0))["eval_answer_acc"] == 3 / 6
 
 
 def test_cycles_smoke_run_through_train_py(tmp_path):

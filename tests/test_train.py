@@ -1,13 +1,12 @@
 """train.py and sample.py as a user runs them: a CPU smoke run, exact resume, and bad input."""
 
-import contextlib
+import argparse
 import json
-import multiprocessing
+import math
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -196,7 +195,8 @@ def test_the_script_prints_one_line_for_bad_input():
 
 
 @pytest.mark.parametrize("flags, named", BAD_FLAGS)
-def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, capsys):
+def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a task built before the check would leave its data here
     # In-process, as `python train.py` calls main(): any exception but argparse's exit fails here.
     with pytest.raises(SystemExit) as stopped:
         train.main(flags)
@@ -211,7 +211,10 @@ def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path, model)
     cached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3")
     uncached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3", "--no_cache")
     assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
-    assert "tokens/s" in cached.stdout
+    # The cache where the model keeps one; LEGO's bidirectional models and shared adaptive
+    # depth recompute the prefix even when the cache is asked for.
+    assert ("(with the cache)" if not model else "(no cache") in cached.stdout
+    assert "(no cache" in uncached.stdout
     answers = lambda out: [line for line in out.splitlines() if "model" in line]
     assert answers(cached.stdout) and answers(cached.stdout) == answers(uncached.stdout)
 
@@ -240,6 +243,21 @@ def test_sample_script_reads_a_regular_language_or_lego_in_one_pass(tmp_path, fl
     result = run_script("sample.py", "--out_dir", str(tmp_path), *length)
     assert result.returncode == 0, result.stderr
     assert shown in result.stdout and "tokens/s" not in result.stdout  # one pass: nothing decoded
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_min_lr(tmp_path):
+    args = argparse.Namespace(lr=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
+    lr = lambda step: train.learning_rate(step, args)
+    assert lr(0) == pytest.approx(0.1) and lr(4) == pytest.approx(0.5) and lr(9) == pytest.approx(1)
+    assert lr(10) == pytest.approx(1.0)               # the top of the cosine
+    assert lr(60) == pytest.approx(0.55)              # halfway: (lr + min_lr) / 2
+    assert lr(35) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2)
+    assert lr(110) == pytest.approx(0.1) and lr(500) == pytest.approx(0.1)  # then min_lr
+    # A run's records: the rate of the step just taken, min_lr = lr / 10 and the decay ending at
+    # max_iters by default: step 2 took lr(1) = 0.01, step 4 lr(3) = 0.001 + 0.009 / 2.
+    run = train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--lr", "0.01",
+                             "--warmup_iters", "2", "--out_dir", str(tmp_path)])
+    assert [m["lr"] for m in run["metrics"]] == pytest.approx([0.01, 0.0055])
 
 
 def test_bench_measures_every_section_at_a_tiny_size():
