@@ -146,7 +146,7 @@ def test_inductive_generation_stops_once_every_row_wrote_the_stop_token(use_cach
                                 use_cache=use_cache, stop_token=SEP) for r in range(4)]
     together = generate_inductive(model, prompts, 40, START, SEP, temperature=0,
                                   use_cache=use_cache, stop_token=SEP)
-    for r, row in enumerate(alone):  # greedy: a row writes the same beside others, up to its stop
+    for r, row in enumerate(alone):  # greedy (no row stops here): the same beside others as alone
         assert torch.equal(together[r, :row.size(1)], row[0])
 
 
@@ -196,7 +196,7 @@ CYCLE_SETTINGS = [dict(cycle_n=2), dict(cycle_n=5, cycle_distance=3), dict(cycle
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
 @pytest.mark.parametrize("options", CYCLE_SETTINGS)
-def test_cycles_rows_are_balanced_within_their_block_and_names(options, scratchpad):
+def test_cycles_rows_are_balanced_and_fit_their_block_vocabulary_and_names(options, scratchpad):
     task = get_task("cycles", scratchpad=scratchpad, **options)
     for split in ("train", "test"):
         x, y = task.sample(32, torch.Generator().manual_seed(0), split=split)
