@@ -313,6 +313,18 @@ def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
         get_task("boxes", **{**options, "n_boxes": 5, "n_objects": 20})
 
 
+def test_the_cache_and_the_split_follow_every_size_and_the_data_seed(tmp_path):
+    options = dict(boxes_version="advanced", n_train=20, n_test=10, cache_dir=str(tmp_path),
+                   n_boxes=8, max_ops=7)
+    for n_filled in (2, 3):  # each its own file, and its own number of filled boxes
+        task = get_task("boxes", **options, n_filled=n_filled)
+        for row in task.rows["train"]:
+            prompt = decode(row[1:row.tolist().index(SEP)])
+            assert sum(map(bool, initial_signature(prompt, "ABCDEFGH"))) == n_filled
+    assert len(list(tmp_path.iterdir())) == 2
+    assert signature_split("advanced", 3, **SMALL) != signature_split("advanced", 4, **SMALL)
+
+
 def test_boxes_is_registered_and_options_are_checked():
     assert data.TASKS["boxes"] is data.Boxes
     with pytest.raises(ValueError, match="--boxes_version"):

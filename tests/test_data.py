@@ -32,6 +32,8 @@ def test_toy_blocks_permute_the_previous_block_positions():
         assert torch.equal(pointers, torch.arange((b - 1) * k, b * k).expand(32, k))
     assert (y[:, :k] == -1).all() and (y[:, k:] >= 0).all()
     assert x.max() < task.vocab_size
+    values = task.sample(1024, torch.Generator().manual_seed(2))[0][:, :k]
+    assert set(values.flatten().tolist()) == set(range(task.vocab_size))  # every value is drawn
 
 
 def test_toy_chain_depth_is_the_block_number():
@@ -68,7 +70,8 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
     fresh, _ = task.example(torch.Generator().manual_seed(0))
     assert torch.equal(task.solve(fresh)[:, 4:] >= 0, torch.ones(1, 12, dtype=torch.bool))
     for bad in ["1 2 3", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 x", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 ²",
-                "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 " + "9" * 23, "5 9 1 0 9 2 1 0 7 5 6 4 8 9 11 10"]:
+                "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 " + "9" * 23, "5 9 1 0 9 2 1 0 7 5 6 4 8 9 11 10",
+                "5 9 1 0 3 2 1 4 7 5 6 4 8 9 11 10"]:  # last two: a pointer out of the block before
         with pytest.raises(ValueError, match="--prompt"):
             task.example(None, prompt=bad)
     with pytest.raises(ValueError, match="--length"):

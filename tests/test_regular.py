@@ -198,3 +198,38 @@ def test_long_lengths_do_not_overflow_the_counts():
     task = get_task("d12")
     x, y = task.sample(8, seeded(), length=1200)  # 2^1200 strings: beyond float64 unscaled
     assert torch.equal(y, task.solve(x))
+
+
+class EvenLengthSolver(torch.nn.Module):
+    """Stands in for a model: right (via the solver) at even lengths, wrong at odd ones; records
+    the shape of every batch it is asked about."""
+
+    def __init__(self, task):
+        super().__init__()
+        self.task, self.shapes = task, []
+
+    def forward(self, x, y):
+        self.shapes.append(tuple(x.shape))
+        target = self.task.solve(x).clamp(min=0)
+        if x.size(1) % 2:
+            target = (target + 1) % self.task.vocab_size
+        return torch.nn.functional.one_hot(target, self.task.vocab_size).float(), torch.tensor(0.0)
+
+
+def test_length_scores_are_means_over_strings_of_each_test_length():
+    task = get_task("parity", max_train_length=6, max_test_length=11, length_samples=5)
+    model = EvenLengthSolver(task)
+    metrics = task.evaluate(model, 8, 4, seeded(), final=True)
+    assert metrics["length_acc"] == {"7": 0, "8": 1, "9": 0, "10": 1, "11": 0}
+    assert metrics["length_score"] == pytest.approx(2 / 5)  # the mean over test lengths
+    tested = [shape for shape in model.shapes if shape[1] > 6]
+    assert [shape[1] for shape in tested] == [7, 8, 9, 10, 11]  # each length once, in one batch
+    assert all(shape[0] == 5 for shape in tested)  # length_samples strings of each
+
+
+def test_long_test_lengths_are_split_into_batches_of_at_most_length_samples():
+    task = get_task("parity", max_train_length=6, max_test_length=2 ** 14 + 1, length_samples=7)
+    task.test_lengths = [2 ** 14 + 1]  # 2^16 tokens hold 3 such strings: batches of 3, 3, 1
+    model = EvenLengthSolver(task)
+    assert task.accuracy_by_length(model, seeded()) == {str(2 ** 14 + 1): 0}
+    assert [shape[0] for shape in model.shapes] == [3, 3, 1]

@@ -191,7 +191,8 @@ def test_generation_stops_when_a_state_outgrows_the_position_table():
 
 CYCLE_SETTINGS = [dict(cycle_n=2), dict(cycle_n=5, cycle_distance=3), dict(cycle_n=4),
                   dict(cycle_n=3, test_cycle_n=6, test_cycle_distance=8),
-                  dict(cycle_n=4, cycle_names=8)]  # every graph uses every name
+                  dict(cycle_n=4, cycle_names=8),  # every graph uses every name
+                  dict(cycle_n=5, cycle_distance=2, test_cycle_distance=3)]  # both walks short of n
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
@@ -293,15 +294,16 @@ def test_cycles_layout_is_for_the_inductive_format_only():
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
 def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad, monkeypatch):
-    task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+    task = get_task("cycles", cycle_n=3, test_cycle_n=4, scratchpad=scratchpad)  # longer tests
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_embd=32,
                           n_head=2, attn="chacal"))
     metrics = task.evaluate(model, 6, 4, torch.Generator().manual_seed(0))
     assert 0 <= metrics["eval_answer_acc"] <= 1 and metrics["eval_loss"] > 0
-    assert set(metrics["eval_acc_by_depth"]) == {"3"}
-    # Generation replaced by a writer of known answers (the walk by hand's): right in prompts
-    # 0, 2, 4, flipped in 1 and 3, none in 5 (no "." written): the answer accuracy is 3 / 6.
+    assert set(metrics["eval_acc_by_depth"]) == {"4"}
+    # Generation replaced by a writer of known answers (the walk by hand's) that uses all the
+    # room it is given: right in prompts 0, 2, 4, flipped in 1 and 3, and in 5 the right digit
+    # but no "." after it: the answer accuracy is 3 / 6.
     ids = task.token_ids
     written = iter(range(6))
     def write(model, prompts, room, use_cache=True):
@@ -311,8 +313,8 @@ def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad,
             words = [task.vocab[i] for i in prompt]
             right = expected_completion(words, "none", *task.sizes["test"])[0]
             answer = {"1": "0", "0": "1"}[right] if k in (1, 3) else right
-            tail = [ids["v0"]] * (room - 2) + [ids[answer], ids["."]] if k < 5 else [ids["v0"]] * room
-            rows.append(prompt + tail)
+            end = [ids[answer], ids["."]] if k < 5 else [ids[answer]]
+            rows.append(prompt + ([ids["v0"]] * room + end)[-room:] if room > 0 else prompt)
         return torch.tensor(rows)
     monkeypatch.setattr(task, "generate", write)
     assert task.evaluate(model, 6, 4, torch.Generator().manual_seed(0))["eval_answer_acc"] == 3 / 6

@@ -54,6 +54,16 @@ def test_the_last_tenth_is_validation_and_windows_stay_on_their_side(corpus):
     starts = [text.find(bytes(x[0].tolist())) for x, _ in task.evaluation_batches(300, 32, None)]
     assert starts == [18_000 + 16 * 32 * k for k in range(4)]  # consecutive windows, 124 of them
     assert sum(len(x) for x, _ in task.evaluation_batches(300, 32, None)) == (2000 - 1) // 16  # each needs 17
+    assert sum(len(x) for x, _ in task.evaluation_batches(100, 32, None)) == 100  # as many as asked
+
+
+def test_the_last_training_window_ends_just_before_validation(corpus, monkeypatch):
+    task = get_task("text", data=str(corpus), context=16)
+    last = lambda low, high, size, generator=None: torch.full(size, high - 1)  # the latest start
+    monkeypatch.setattr(torch, "randint", last)
+    for split, end in (("train", 18_000), ("test", 20_000)):
+        x, y = task.sample(1, split=split)
+        assert torch.equal(y[0], torch.from_numpy(task.ids[end - 16:end].astype("int64")))
 
 
 def test_labels_are_the_next_bytes_against_the_brute_force_solver(corpus):
