@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import attention
 from attention import (ATTENTIONS, CHACAL_BLOCKED_FROM, attention_weights, chacal_attention,
                        chacal_keep_diagonal, group_visibility, standard_attention)
 from model import GPTConfig
@@ -49,9 +50,13 @@ def test_chacal_keeps_the_diagonal_out_of_the_inverse():
     assert (chacal_attention(q, k, v, gamma) - with_diagonal).abs().max() > 1e-3
 
 
-def test_chacal_under_group_masks_equals_explicit_masked_inverse():
+@pytest.mark.parametrize("blocked_from", [None, 4])  # 4: a length where the automatic path would block
+def test_chacal_under_group_masks_equals_explicit_masked_inverse(blocked_from, monkeypatch):
     """The inductive scratchpad's masks with ChaCAL: A is the softmax over the keys each row may
-    see (built here with loops), and Y = (I - γA')⁻¹(1-γ)AV in float64."""
+    see (built here with loops), and Y = (I - γA')⁻¹(1-γ)AV in float64. A mask keeps the one-solve
+    path at any length (the blocked path takes none)."""
+    if blocked_from:
+        monkeypatch.setitem(attention.CHACAL_BLOCKED_FROM, "cpu", blocked_from)
     q, k, v = random_qkv(T=10)
     groups = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]])
     A = torch.zeros(2, 3, 10, 10, dtype=torch.float64)

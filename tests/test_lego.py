@@ -419,6 +419,22 @@ def test_a_bidirectional_gpt_with_lego_v1_trains_on_lego_and_shows_its_maps():
     assert len(maps) == 2
     assert all(m.shape == (16, 3 + 1, task.block_size, task.block_size) for m in maps)  # 1 kept
     torch.testing.assert_close(maps[0][:, :3].sum(-1), torch.ones(16, 3, task.block_size))
+    # The kept softmax head is bidirectional too: by hand, softmax(q kᵀ / √hs) over every key.
+    block, h = model.transformer.h[0], model.transformer.wpe.weight[:task.block_size]
+    q, k, _ = block.attn.c_attn(block.ln_1(model.transformer.wte(x) + h)).split(16, dim=2)
+    expected = (q @ k.transpose(1, 2) / 16 ** 0.5).softmax(dim=-1)
+    torch.testing.assert_close(maps[0][:, 3], expected)
+    future = torch.ones(task.block_size, task.block_size, dtype=torch.bool).triu(1)
+    assert (maps[0][:, 3][:, future] > 0).all()  # every later key has weight
+
+
+def test_lego_attention_alone_counts_every_token_as_distinct():
+    attn = lego_attention("lego_v0", causal=False)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    distinct = attn(x, token_ids=torch.arange(100, 109).expand(2, 9))  # no broadcast id among them
+    torch.testing.assert_close(attn(x), distinct)
+    assert not torch.allclose(attn(x, token_ids=torch.zeros(2, 9, dtype=torch.long)), distinct)
+    assert torch.equal(attn.fixed_maps(torch.arange(100, 109).expand(2, 9))[:, 0], torch.eye(9).expand(2, 9, 9))
 
 
 @pytest.mark.parametrize("causal", [False, True])  # a causal map is 0 on the future: no NaN from log 0

@@ -91,6 +91,15 @@ def test_prompts_of_different_lengths_decode_together_as_they_would_alone(attn):
     assert torch.equal(early, together[:, :max(first_stops) + 1])
 
 
+def test_a_stop_token_inside_a_longer_prompt_does_not_stop_its_row():
+    model = small_model("standard")
+    model.pick_token = lambda logits, *options: torch.full((logits.size(0), 1), 7)  # always 7
+    prompts = torch.tensor([[1, 2, 3, 4, 5, 7, 6, 5, 4], [1, 2, 3, 4, 0, 0, 0, 0, 0]])
+    out = model.generate(prompts, 10, temperature=0, prompt_lengths=torch.tensor([9, 4]), stop_token=7)
+    # Row 1 writes 7 at column 4; row 0 reads its prompt's 7 at column 5 and writes one at 9.
+    assert out.size(1) == 10 and torch.equal(out[0], torch.tensor([1, 2, 3, 4, 5, 7, 6, 5, 4, 7]))
+
+
 def test_sampling_is_reproducible_with_a_generator_and_respects_top_k():
     model = small_model("chacal")
     prompt = torch.zeros(2, 1, dtype=torch.long)
@@ -282,6 +291,33 @@ def test_generate_decodes_in_eval_mode_and_restores_the_mode():
     assert torch.equal(model.generate(prompt, 10, temperature=0), in_eval)
     assert model.training
     assert model.can_cache() and not small_model("lego_v0").can_cache()
+
+
+@pytest.mark.parametrize("options", [dict(attn="standard,chacal"), dict(attn="dilated"),
+                                     dict(attn="lego_v1", causal=False, broadcast_ids=(0,))])
+def test_dropout_acts_in_training_only(options):
+    x = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(0))
+    model, plain = small_model(dropout=0.5, **options), small_model(dropout=0.0, **options)
+    assert torch.equal(model(x)[0], model(x)[0]) and torch.equal(model(x)[0], plain(x)[0])
+    model.train()
+    assert not torch.equal(model(x)[0], plain(x)[0])
+
+
+def test_shared_blocks_take_turns_in_order():
+    model = small_model("standard", share_weights=True, thickness=2, n_layer=5)
+    ran = []
+    for index, block in enumerate(model.transformer.h):
+        block.register_forward_hook(lambda module, args, out, index=index: ran.append(index))
+    model(torch.zeros(1, 8, dtype=torch.long))
+    assert len(model.transformer.h) == 2 and ran == [0, 1, 0, 1, 0]
+
+
+def test_gpt2_init_scales_the_residual_projections_by_depth():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=12, n_head=4, n_embd=128))
+    for block in model.transformer.h:  # GPT-2: 0.02 / √(2 · n_layer), one per residual branch
+        for projection in (block.attn.c_proj, block.mlp.c_proj):
+            assert projection.weight.std().item() == pytest.approx(0.02 / 24 ** 0.5, rel=0.05)
 
 
 def test_weight_init_gpt2_ties_the_embeddings_and_xavier_follows_pytorchs_defaults():

@@ -46,6 +46,8 @@ def test_loaded_gpt2_gives_the_same_logits(gpt2, ids):
     model = GPT.from_pretrained(gpt2)
     assert model.config.attn == "standard" and model.config.gelu_approximate == "tanh"
     assert (our_logits(model, ids) - their_logits(gpt2, ids)).abs().max() < 1e-5
+    assert model.config.dropout == 0  # fine-tuning adds no dropout unless asked
+    assert GPT.from_pretrained(gpt2, dropout=0.1).config.dropout == 0.1
 
 
 def test_chacal_at_gamma_0_gives_the_same_logits(gpt2, ids):

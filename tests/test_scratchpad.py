@@ -150,6 +150,21 @@ def test_inductive_generation_stops_once_every_row_wrote_the_stop_token(use_cach
         assert torch.equal(together[r, :row.size(1)], row[0])
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_inductive_generation_decodes_in_eval_mode_and_restores_the_mode(use_cache):
+    torch.manual_seed(0)
+    model = sep_friendly(GPT(GPTConfig(block_size=48, vocab_size=8, n_layer=3, n_head=2, n_embd=16,
+                                       attn="chacal", dropout=0.5, share_weights=True,
+                                       min_train_layers=1)).double().eval())
+    prompts = torch.randint(0, START, (2, 6), generator=torch.Generator().manual_seed(2))
+    prompts[:, -1] = START
+    in_eval = generate_inductive(model, prompts, 20, START, SEP, temperature=0, use_cache=use_cache)
+    model.train()  # dropout and a drawn depth would change every token's pass
+    assert torch.equal(generate_inductive(model, prompts, 20, START, SEP, temperature=0,
+                                          use_cache=use_cache), in_eval)
+    assert model.training
+
+
 def test_greedy_inductive_generation_writes_the_same_with_and_without_cache():
     model = sep_friendly(small_model("chacal"))
     prompts = torch.randint(0, START, (3, 6), generator=torch.Generator().manual_seed(2))
