@@ -1,6 +1,8 @@
 """Boxes: the generator's rules, the simulator against the paper's examples, tokens, splits, cache."""
 
+import collections
 import functools
+import itertools
 import os
 import random
 import re
@@ -109,7 +111,15 @@ def test_simulator_on_hand_written_cases():
                               "map into Box A. Remove the map from Box A. Move the contents of Box "
                               "A to Box B. Put the map into Box A.")
     assert boxes == dict(A={"map"}, B={"egg", "fan"}) and depth == dict(A=0, B=1)
+    # A sentence that names an item, a move or a put, starts its chain again.
+    _, depth = simulate("The egg is in Box A, there is nothing in Box B, there is nothing in Box C. "
+                        "Move the contents of Box A to Box B. Move the egg from Box B to Box C.")
+    assert depth == dict(A=0, B=0, C=0)
+    _, depth = simulate("The egg is in Box A, there is nothing in Box B. Move the contents of Box A "
+                        "to Box B. Remove the egg from Box B. Put the egg into Box A.")
+    assert depth == dict(A=0, B=0)
     for bad in ["The egg is in Box A. Remove the fan from Box A.",      # not in the box
+                "The egg is in Box A. Remove the egg and the fan from Box A.",  # partly
                 "The egg is in Box A. Put the egg into Box B.",         # already in a box
                 "The egg is in Box A. Move the contents of Box B to Box A.",  # nothing to move
                 "The egg is in Box A. Shake Box A."]:                   # not an operation
@@ -139,10 +149,12 @@ def test_default_generator_follows_the_rules():
 
 
 def test_advanced_generator_follows_the_rules():
-    n_ops, letters = [], set()
+    n_ops, letters, filled, targets = [], set(), [], []
     for prompt, _ in examples("advanced", 300):
         clauses = prompt.split(". ")[0].split(", ")
         assert len(clauses) == 4 and all(" is in Box " in clause for clause in clauses)
+        filled += [clause[-1] for clause in clauses]
+        assert filled[-4:] == sorted(filled[-4:])  # in letter order, as Table 6
         operations = steps(prompt)
         n_ops.append(len(operations))
         for k, (op, _, after) in enumerate(operations):
@@ -152,8 +164,12 @@ def test_advanced_generator_follows_the_rules():
                 assert operations[k + 1][0] == op.replace("Put", "Remove").replace("into", "from")
             if op.startswith("Move"):
                 assert sum(bool(items) for items in after.values()) == 4
+                targets.append(op[-1])
             assert all(len(items) <= 2 for items in after.values())
     assert letters == set("ABCDEFGH")
+    for chosen in (filled, targets):  # every box as likely as the others, the last one too
+        shares = collections.Counter(chosen)
+        assert all(0.08 < shares[letter] / len(chosen) < 0.17 for letter in "ABCDEFGH"), shares
     assert min(n_ops) == 1 and max(n_ops) <= 31 and max(n_ops) >= 25
     assert 0.12 < n_ops.count(1) / len(n_ops) < 0.3  # log-uniform: P(1) = 0.2
 
@@ -182,6 +198,14 @@ def test_train_and_test_never_share_an_initial_signature(version):
     assert seen["train"] and seen["test"] and not seen["train"] & seen["test"]
     train, test = signature_split(version, seed=3)
     assert seen["train"] <= train and seen["test"] <= test and not train & test
+    every = ({s for s in itertools.product((0, 1), repeat=8) if sum(s) == 4} if version == "advanced"
+             else set(itertools.product(range(4), repeat=7)))  # 0..3 items in each of 7 boxes
+    assert train | test == every
+    if version == "default":
+        assert 3 in {count for signature in seen["train"] for count in signature}
+    for split, half in (("train", train), ("test", test)):  # what evaluation reads is its split's
+        x, _ = task(version).sample(64, torch.Generator().manual_seed(0), split=split)
+        assert {initial_signature(decode(row[1:row.tolist().index(SEP)]), letters) for row in x} <= half
 
 
 @pytest.mark.parametrize("version", ["default", "advanced"])
@@ -221,6 +245,7 @@ def test_answers_are_scored_whole_and_box_by_box():
     assert t.score_answer(prompt, wrong_c) == (False, [(0, True), (0, True), (1, False)])
     garbled = "Box A contains the key, Box B Box, the map"  # B unreadable, C missing
     assert t.score_answer(prompt, garbled) == (False, [(0, True), (0, False), (1, False)])
+    assert t.score_answer(prompt, TINY_ANSWER[:-1])[0] is False  # no final period: not exact
     reordered = "Box C contains the map and the cup, Box B is empty, Box A contains the key."
     assert t.score_answer(prompt, reordered) == (False, [(0, True), (0, True), (1, True)])
     # The advanced version names only filled boxes: an empty box is not scored.
@@ -347,8 +372,10 @@ def test_example_is_a_test_prompt_or_the_typed_one():
     assert any(torch.equal(x[0], t.prompt_and_answer(i)[0]) for i in range(len(t.rows["test"])))
     typed, _ = t.example(None, prompt=TINY_PROMPT)
     assert typed[0].tolist() == [BOS, *encode(TINY_PROMPT), SEP]
-    with pytest.raises(ValueError, match="--prompt"):
-        t.example(None, prompt="Juggle Box A.")
+    for impossible in ["Juggle Box A.", "The cup is in Box A. Remove the key from Box A."]:
+        with pytest.raises(ValueError, match="--prompt"):  # unreadable, or no right answer
+            t.example(None, prompt=impossible)
+    assert decode([BOS, *encode(TINY_PROMPT), SEP]) == f"<bos> {TINY_PROMPT} <sep>"
 
 
 # The small advanced version: the paper's rules at a size a laptop learns.
