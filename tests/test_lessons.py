@@ -92,6 +92,16 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
         common.reuse_if_saved([*TINY, "--max_iters", "2", "--eval_interval", "2", *out, "--n_embd", "64"])
     with pytest.raises(SystemExit, match=r"--max_iters 2 \(now 1000\)"):  # a flag no longer typed
         common.reuse_if_saved(TINY + ["--eval_interval", "2"] + out)
+    for flag, value in (("--seed", "1"), ("--lr", "0.01"), ("--attn", "standard")):
+        with pytest.raises(SystemExit, match=flag):
+            common.reuse_if_saved(TINY + ["--max_iters", "2", "--eval_interval", "2", flag, value] + out)
+    # A task's own defaults (parity sets its lr and more) are part of the same settings.
+    parity = ["--task", "parity", "--attn", "dilated", "--share_weights", "--max_iters", "2",
+              "--eval_interval", "2", "--n_embd", "16", "--n_head", "2", "--batch_size", "4",
+              "--eval_samples", "8", "--length_samples", "2", "--max_test_length", "44",
+              "--no-progress", "--device", "cpu", "--out_dir", str(tmp_path / "parity")]
+    train.main(parity)
+    assert common.reuse_if_saved(parity)[-1] == "--resume"
     with pytest.raises(ValueError, match="more than one run writes to"):
         common.train_many([TINY + out, TINY + out])
 

@@ -113,6 +113,9 @@ def test_flags_typed_on_resume_override_the_saved_ones(tmp_path):
     assert saved["min_lr"] is None and saved["lr_decay_iters"] is None
     args, *_ = train.parse_args(["--resume", "--lr", "2e-3", "--max_iters", "6"] + run)
     assert args.min_lr == pytest.approx(2e-4) and args.lr_decay_iters == 6
+    assert train.parse_args(["--resume", "--max_iters=7"] + run)[0].max_iters == 7  # the = form
+    with pytest.raises(SystemExit):  # another model cannot continue these weights
+        train.parse_args(["--resume", "--n_embd", "64"] + run)
     train.main(["--resume", "--max_iters", "4", "--beta2", "0.9", "--weight_decay", "0.1"] + run)
     groups = torch.load(tmp_path / "ckpt.pt", weights_only=False)["optimizer"]["param_groups"]
     assert [tuple(g["betas"]) for g in groups] == [(0.9, 0.9), (0.9, 0.9)]
@@ -161,6 +164,10 @@ BAD_FLAGS = [
     (["--n_vars", "6"], "--n_vars"),
     (["--task", "lego", "--n_vars", "30"], "--n_vars"),
     (["--n_embd", "0"], "--n_embd"),
+    (["--max_iters", "0"], "--max_iters"),
+    (["--batch_size", "0"], "--batch_size"),
+    (["--beta2", "1.0"], "--beta2"),
+    (["--lr", "1e-3", "--min_lr", "1e-2"], "--min_lr"),
     (["--n_embd", "-16", "--n_head", "2"], "--n_embd"),
     (["--dropout", "1.5"], "--dropout"),
     (["--beta1", "2"], "--beta1"),
@@ -398,8 +405,8 @@ def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkey
     dumps = json.dumps
 
     def killed_midway(record):
-        if record["step"] == 6:
-            raise KeyboardInterrupt  # as a kill would, half-way through the file
+        if record["step"] == 2:
+            raise KeyboardInterrupt  # as a kill would, at the file's first line
         return dumps(record)
 
     monkeypatch.setattr(train.json, "dumps", killed_midway)
@@ -410,6 +417,55 @@ def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkey
     (tmp_path / "metrics.jsonl").unlink()  # even without it, the checkpoint holds the history
     summary = train.main(["--resume", "--max_iters", "6", "--no-progress"] + flags[-2:])
     assert [m["step"] for m in summary["metrics"]] == [2, 4, 6]
+
+
+def test_a_kill_while_the_checkpoint_is_written_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def half_written(checkpoint, path):
+        with open(path, "wb") as f:
+            f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(SystemExit):
+        train.main(["--resume", "--max_iters", "4"] + flags[-2:])
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_set_up_restores_a_run_and_keeps_evaluation_apart_from_training(tmp_path, monkeypatch):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    args, _, config, checkpoint = train.parse_args(["--resume", "--out_dir", str(tmp_path)])
+    _, _, (data_rng, eval_rng), state = train.set_up(args, config, checkpoint)
+    assert state["train_time"] == checkpoint["train_time"] > 0 and state["step"] == 2
+    assert not torch.equal(data_rng.get_state(), eval_rng.get_state())  # test batches are others
+    # Evaluation draws from its own stream: how much of it there is leaves training unchanged.
+    runs = [train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--eval_samples", n,
+                               "--out_dir", str(tmp_path / n)]) for n in ("8", "16")]
+    weights = [torch.load(tmp_path / n / "ckpt.pt", weights_only=True)["model"] for n in ("8", "16")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # Gradient clipping at --grad_clip, once a step; none at 0.
+    norms = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, norm: norms.append(norm))
+    train.main(TINY + ["--max_iters", "3", "--eval_interval", "3", "--grad_clip", "0.5",
+                       "--out_dir", str(tmp_path / "clip")])
+    train.main(TINY + ["--max_iters", "3", "--eval_interval", "3", "--grad_clip", "0",
+                       "--out_dir", str(tmp_path / "no_clip")])
+    assert norms == [0.5, 0.5, 0.5] and runs[0]["final"]["step"] == 4
+
+
+def test_resuming_a_mimicking_run_does_not_mimic_again(tmp_path, capsys):
+    flags = ["--task", "lego", "--bidirectional", "--n_vars", "4", "--n_layer", "2", "--n_embd", "16",
+             "--n_head", "2", "--batch_size", "4", "--eval_samples", "8", "--mimic_iters", "3",
+             "--eval_interval", "2", "--no-progress", "--device", "cpu", "--out_dir", str(tmp_path)]
+    train.main(flags + ["--max_iters", "2"])
+    assert "mimicking:" in capsys.readouterr().out
+    train.main(["--resume", "--max_iters", "4", "--out_dir", str(tmp_path), "--no-progress"])
+    assert "mimicking:" not in capsys.readouterr().out
 
 
 def test_kill_9_then_resume_reproduces_an_uninterrupted_run(tmp_path):
