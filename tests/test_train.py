@@ -398,6 +398,26 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [10]
 
 
+def test_a_diverging_run_stops_within_ten_steps_not_at_its_next_evaluation(tmp_path):
+    with pytest.raises(SystemExit, match="loss became nan by step 10;"):
+        train.main(TINY + ["--gamma", "0.999", "--grad_clip", "0", "--lr", "1e6", "--warmup_iters", "1",
+                           "--eval_interval", "100", "--max_iters", "100", "--out_dir", str(tmp_path)])
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_records_hold_the_mean_training_loss_of_their_interval(tmp_path, monkeypatch):
+    losses, forward = [], train.GPT.forward
+    def recorded(model, *args, **kwargs):
+        logits, loss = forward(model, *args, **kwargs)
+        if model.training:
+            losses.append(loss.item())
+        return logits, loss
+    monkeypatch.setattr(train.GPT, "forward", recorded)
+    run = train.main(TINY + ["--max_iters", "24", "--eval_interval", "12", "--out_dir", str(tmp_path)])
+    assert [m["train_loss"] for m in run["metrics"]] == pytest.approx(
+        [sum(losses[:12]) / 12, sum(losses[12:]) / 12], rel=1e-5)
+
+
 def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkeypatch):
     flags = TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     train.main(flags)
@@ -462,10 +482,11 @@ def test_resuming_a_mimicking_run_does_not_mimic_again(tmp_path, capsys):
     flags = ["--task", "lego", "--bidirectional", "--n_vars", "4", "--n_layer", "2", "--n_embd", "16",
              "--n_head", "2", "--batch_size", "4", "--eval_samples", "8", "--mimic_iters", "3",
              "--eval_interval", "2", "--no-progress", "--device", "cpu", "--out_dir", str(tmp_path)]
-    train.main(flags + ["--max_iters", "2"])
+    train.main(flags + ["--max_iters", "4"])
     assert "mimicking:" in capsys.readouterr().out
-    train.main(["--resume", "--max_iters", "4", "--out_dir", str(tmp_path), "--no-progress"])
+    run = train.main(["--resume", "--max_iters", "6", "--out_dir", str(tmp_path), "--no-progress"])
     assert "mimicking:" not in capsys.readouterr().out
+    assert ["mimic_loss" in m for m in run["metrics"]] == [True, False, False]  # the first record
 
 
 def test_kill_9_then_resume_reproduces_an_uninterrupted_run(tmp_path):
