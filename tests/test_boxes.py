@@ -128,7 +128,7 @@ def test_simulator_on_hand_written_cases():
 
 
 def test_default_generator_follows_the_rules():
-    seen_orders, counts = set(), []
+    seen_orders, counts, put_sizes, moves = set(), [], [], []
     for prompt, _ in examples("default", 40):
         clauses = prompt.split(". ")[0].split(", ")
         letters = [clause[-1] for clause in clauses]
@@ -144,8 +144,17 @@ def test_default_generator_follows_the_rules():
                 # "Move the contents" exactly when the move empties the box.
                 assert op.startswith("Move the contents of") == (not after[source]), op
                 assert before[source]
+                moves.append((op.startswith("Move the contents of"), len(after[op[-1]])))
+            if op.startswith("Put"):
+                put_sizes.append(len(after[op[-1]]) - len(before[op[-1]]))
     assert len(seen_orders) > 30  # the description order is shuffled
     assert max(counts) == 3 and 0 in counts and 1.5 < sum(counts) / len(counts) < 2.1
+    # Kim & Schuster's draws: a put of Poisson(1) items (>= 1, room allowing): mostly one; a move
+    # keeps each item with probability 1/2, so about half the moves take everything; a move may
+    # fill its target to the 3 items a box holds.
+    assert 0.6 < put_sizes.count(1) / len(put_sizes) < 0.85 and max(put_sizes) == 3
+    assert 0.4 < sum(whole for whole, _ in moves) / len(moves) < 0.65
+    assert any(size == 3 for _, size in moves)
 
 
 def test_advanced_generator_follows_the_rules():
@@ -240,6 +249,7 @@ def test_answers_are_scored_whole_and_box_by_box():
     t = task("default")
     prompt = torch.tensor([BOS, *encode(TINY_PROMPT), SEP])
     assert parse_answer(TINY_ANSWER) == {"A": {"key"}, "B": set(), "C": {"cup", "map"}}
+    assert parse_answer("Box A contains the key, Box A is empty.") == {"A": set()}  # the last counts
     assert t.score_answer(prompt, TINY_ANSWER) == (True, [(0, True), (0, True), (1, True)])
     wrong_c = "Box A contains the key, Box B is empty, Box C contains the cup."
     assert t.score_answer(prompt, wrong_c) == (False, [(0, True), (0, True), (1, False)])
