@@ -478,6 +478,22 @@ def test_set_up_restores_a_run_and_keeps_evaluation_apart_from_training(tmp_path
     assert norms == [0.5, 0.5, 0.5] and runs[0]["final"]["step"] == 4
 
 
+def test_init_from_a_run_takes_the_typed_attention_gamma_and_dropout(tmp_path):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path / "a")])
+    _, _, config, _ = train.parse_args(TINY + ["--init_from", str(tmp_path / "a"), "--attn", "standard",
+                                               "--gamma", "0.5", "--dropout", "0.1",
+                                               "--out_dir", str(tmp_path / "b")])
+    assert (config.attn, config.gamma, config.dropout) == ("standard", 0.5, 0.1)
+
+
+def test_the_summary_line_counts_exactly_99_percent_as_reached(tmp_path):
+    argv = TINY + ["--max_iters", "2", "--eval_interval", "1", "--out_dir", str(tmp_path)]
+    run = train.main(argv)
+    args, _, config, _ = train.parse_args(argv)
+    metrics = [dict(m, eval_acc=acc) for m, acc in zip(run["metrics"], (0.98, 0.99))]
+    assert "accuracy >= 99% at step 2 " in train.summarize(args, config, 1, metrics)["line"]
+
+
 def test_resuming_a_mimicking_run_does_not_mimic_again(tmp_path, capsys):
     flags = ["--task", "lego", "--bidirectional", "--n_vars", "4", "--n_layer", "2", "--n_embd", "16",
              "--n_head", "2", "--batch_size", "4", "--eval_samples", "8", "--mimic_iters", "3",
