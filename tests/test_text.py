@@ -95,6 +95,12 @@ def test_gpt2_token_files_are_read_as_uint16(tmp_path):
     assert x.max() < 50257 and torch.equal(y, task.solve(x))
     with pytest.raises(ValueError, match="does not occur"):  # two-byte tokens: the search ends too
         task.solve(torch.zeros(1, 32, dtype=torch.long))
+    # The bytes of tokens (A, B) = (0x0201, 0x0403) first occur straddling three other tokens
+    # (09 01 | 02 03 | 04 0A, little-endian); only the aligned (A, B) is followed by C = 0x0505.
+    straddled = np.array([0x0109, 0x0302, 0x0A04, 0x0201, 0x0403, 0x0505] + [7] * 200, dtype=np.uint16)
+    straddled.tofile(tmp_path / "straddled.bin")
+    task = get_task("text", data=str(tmp_path / "straddled.bin"), context=2)
+    assert task.solve(torch.tensor([[0x0201, 0x0403]])).tolist() == [[0x0403, 0x0505]]
 
 
 def test_perplexity_is_exp_of_the_validation_loss(corpus):
