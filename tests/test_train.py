@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import sample
 import train
 from data import PointerChains
 
@@ -224,6 +225,16 @@ def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path, model)
     assert "(no cache" in uncached.stdout
     answers = lambda out: [line for line in out.splitlines() if "model" in line]
     assert answers(cached.stdout) and answers(cached.stdout) == answers(uncached.stdout)
+
+
+def test_sample_accuracy_counts_the_scored_positions_only(tmp_path, monkeypatch, capsys):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    task = PointerChains(n_blocks=4, block_len=4)
+    def right_where_scored(model, x, n_prompt, use_cache=True):  # block 0 (unscored): a wrong 0
+        return task.solve(x.cpu()).clamp(min=0), 1.0
+    monkeypatch.setattr(sample, "read_token_by_token", right_where_scored)
+    sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])
+    assert "accuracy 100.00%" in capsys.readouterr().out
 
 
 def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
