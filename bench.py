@@ -26,8 +26,8 @@ Seven tables:
 
 Peak memory is what a step holds beyond what was resident before it: in tables 1 and 2 on CUDA
 only (PyTorch tracks no CPU peak); table 6 measures it on a CPU too, from the peak resident
-memory of a fresh process per case. Near-equal paths are timed in turns, so that other work on
-the machine slows them alike.
+memory of a fresh process per case. The paths a table compares are timed in turns, so that
+other work on the machine, or a GPU's changing clock, slows them alike.
 
 The targets printed beside the figures are this project's, set when each path was built; none
 is a number from the papers. A ChaCAL training step at most 1.35x a standard one (on a GPU: the
@@ -55,27 +55,38 @@ from model import GPT, GPTConfig
 from train import OneLineErrors, pick_device, synchronize
 
 
-def timed(fn, device, repeats):
-    """Median seconds of fn() over `repeats` runs after two warm-up runs, and the peak memory
-    (MiB, CUDA only) it holds beyond what was resident before them."""
-    for _ in range(2):
+def in_turns(fns, device, repeats):
+    """Run the fns that a table compares `repeats` times each, after one warm-up run each; per fn
+    (its run times in seconds, sorted; the peak memory a run held beyond what was resident before
+    it, in MiB, CUDA only). The fns take turns, so that other work on the machine, or a GPU's
+    clock, slows them alike; each round starts one fn later (1 2 3, 2 3 1, ...), as a run right
+    after a costly one can be slowed by it (caches, the allocator)."""
+    for fn in fns:
         fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        resident = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() - resident) / 2**20 if device == "cuda" else float("nan")
-    return sorted(times)[len(times) // 2], peak
+    runs = [[] for _ in fns]
+    peaks = [0.0 if device == "cuda" else float("nan") for _ in fns]
+    for turn in range(repeats):
+        for i in [(turn + j) % len(fns) for j in range(len(fns))]:
+            synchronize(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            fns[i]()
+            synchronize(device)
+            runs[i].append(time.perf_counter() - start)
+            if device == "cuda":
+                peaks[i] = max(peaks[i], (torch.cuda.max_memory_allocated() - resident) / 2**20)
+    return [(sorted(seconds), peak) for seconds, peak in zip(runs, peaks)]
+
+
+def median(seconds):
+    return seconds[len(seconds) // 2]
 
 
 def bench_core(T, tokens, n_head, head_size, dtype, device, repeats):
+    """(median seconds, peak MiB) of forward + backward of fused standard attention and of
+    ChaCAL's automatic path, in turns."""
     B = max(1, tokens // T)
     shape = (B, n_head, T, head_size)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -86,7 +97,7 @@ def bench_core(T, tokens, n_head, head_size, dtype, device, repeats):
     def chacal():
         chacal_attention(q, k, v, 0.9).sum().backward()
 
-    return timed(standard, device, repeats), timed(chacal, device, repeats)
+    return [(median(seconds), peak) for seconds, peak in in_turns([standard, chacal], device, repeats)]
 
 
 def autocast(device, dtype):
@@ -99,9 +110,9 @@ def one_layer_model(attn, T, size, **options):
     return GPT(GPTConfig(block_size=T, vocab_size=128, n_layer=1, attn=attn, **size, **options))
 
 
-def bench_model_step(attn, T, tokens, size, dtype, device, repeats, fused=True, **options):
-    """Median time and peak memory of one training step of a one-layer model; fused=False
-    takes the attention's readable path."""
+def training_step(attn, T, tokens, size, dtype, device, fused=True, **options):
+    """A function that takes one training step of a one-layer model on `tokens` tokens;
+    fused=False takes the attention's readable path."""
     B = max(1, tokens // T)
     model = one_layer_model(attn, T, size, **options).to(device)
     model.transformer.h[0].attn.fused = fused
@@ -115,7 +126,12 @@ def bench_model_step(attn, T, tokens, size, dtype, device, repeats, fused=True, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timed(step, device, repeats)
+    return step
+
+
+def bench_model_steps(steps, device, repeats):
+    """Median seconds and peak MiB of each training step, in turns."""
+    return [(median(seconds), peak) for seconds, peak in in_turns(steps, device, repeats)]
 
 
 def count_step(attn, T, tokens, size, **options):
@@ -134,17 +150,20 @@ def count_step(attn, T, tokens, size, **options):
 DECODE_REPEATS = 3  # decoding a whole sequence is one long measurement; fewer repeats suffice
 
 
-def bench_decode(attn, use_cache, T, batch, size, dtype, device):
-    """Tokens/s generating T - 1 tokens after a 1-token prompt with a one-layer model."""
-    model = one_layer_model(attn, T, size).to(device).eval()
-    prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+def bench_decode(ways, T, batch, size, dtype, device):
+    """Tokens/s of each (attn, use_cache) way of generating T - 1 tokens after a 1-token prompt
+    with a one-layer model, in turns."""
+    def decoding(attn, use_cache):
+        model = one_layer_model(attn, T, size).to(device).eval()
+        prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
 
-    def decode():
-        with autocast(device, dtype):
-            model.generate(prompt, T - 1, temperature=0, use_cache=use_cache)
+        def decode():
+            with autocast(device, dtype):
+                model.generate(prompt, T - 1, temperature=0, use_cache=use_cache)
+        return decode
 
-    seconds, _ = timed(decode, device, DECODE_REPEATS)
-    return batch * (T - 1) / seconds
+    runs = in_turns([decoding(attn, use_cache) for attn, use_cache in ways], device, DECODE_REPEATS)
+    return [batch * (T - 1) / median(seconds) for seconds, _ in runs]
 
 
 LONG_PATHS = ["fused", "one-solve", "blocked"]
@@ -223,10 +242,10 @@ def long_sequences(lengths, size, dtype, device, repeats):
     results = {}
     for T in lengths:
         q, k, v = long_core_inputs(T, n_head, head_size, dtype, device)
-        seconds = fastest_of_rounds([lambda path=path: long_core_step(path, q, k, v) for path in LONG_PATHS],
-                                    device, repeats if T <= 2048 else 3)  # the long cases take seconds each
-        results[T] = {path: (t, peak_memory(path, T, n_head, head_size, dtype, device))
-                      for path, t in zip(LONG_PATHS, seconds)}
+        runs = in_turns([lambda path=path: long_core_step(path, q, k, v) for path in LONG_PATHS],
+                        device, repeats if T <= 2048 else 3)  # the long cases take seconds each
+        results[T] = {path: (seconds[0], peak_memory(path, T, n_head, head_size, dtype, device))
+                      for path, (seconds, _) in zip(LONG_PATHS, runs)}
         (t_f, m_f), (t_o, m_o), (t_b, m_b) = (results[T][path] for path in LONG_PATHS)
         print(f"{T:>6}" + "".join(f" {t * 1e3:>13.1f} {m:>14.1f}" for t, m in results[T].values())
               + f" {t_b / t_f:>10.2f}x {times(m_b, m_f):>10} {t_b / t_o:>12.2f}x {times(m_b, m_o):>12}")
@@ -244,24 +263,6 @@ def times(a, b):
     return f"{a / b:.2f}x" if b else "-"
 
 
-def fastest_of_rounds(fns, device, repeats):
-    """The fastest of `repeats` runs of each fn after one warm-up, taken in turns so that a machine
-    shared with other work slows them alike; each round starts one fn later (1 2 3, 2 3 1, ...),
-    as a run right after a costly one can be slowed by it (caches, the allocator)."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for turn in range(repeats):
-        for i in [(turn + j) % len(fns) for j in range(len(fns))]:
-            fn = fns[i]
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
-
-
 def short_sequences(tokens, size, dtype, device, repeats):
     """Table 6b: where chacal_attention's automatic choice switches paths (CHACAL_BLOCKED_FROM),
     and that it never costs more than the one-solve path: forward + backward at the model's
@@ -276,9 +277,9 @@ def short_sequences(tokens, size, dtype, device, repeats):
     for T in [32, 64, 128, 192, 256, 512]:
         shape = (max(1, tokens // T), n_head, T, head_size)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        one_solve, blocked, auto = fastest_of_rounds(
+        one_solve, blocked, auto = (seconds[0] for seconds, _ in in_turns(
             [lambda block_size=block_size: chacal_attention(q, k, v, 0.9, block_size=block_size)
-             .sum().backward() for block_size in (0, CHACAL_BLOCK_SIZE, None)], device, repeats)
+             .sum().backward() for block_size in (0, CHACAL_BLOCK_SIZE, None)], device, repeats))
         print(f"{T:>6} {one_solve * 1e3:>13.1f} {blocked * 1e3:>11.1f} {auto * 1e3:>9.1f} "
               f"{auto / one_solve:>14.2f}x")
         worst = max(worst, auto / one_solve) if T <= 256 else worst
@@ -352,8 +353,8 @@ def main():
     print(header)
     step_ratios = []
     for T in lengths:
-        std, cha = (bench_model_step(attn, T, tokens, size, dtype, device, args.repeats)
-                    for attn in ["standard", "chacal"])
+        std, cha = bench_model_steps([training_step(attn, T, tokens, size, dtype, device)
+                                      for attn in ["standard", "chacal"]], device, args.repeats)
         print(row(T, std, cha))
         step_ratios.append(cha[0] / std[0])
     target("ChaCAL training step / standard step at T = 128, the toy size"  # lengths[0] is 128
@@ -363,9 +364,8 @@ def main():
     print(f"{'T':>6} {'std cache':>12} {'chacal cache':>13} {'ratio':>7} {'chacal re-solve':>16} {'ratio':>7}")
     decode_ratios = []
     for T in decode_lengths:
-        std, cha, resolve = (bench_decode(attn, use_cache, T, decode_batch, size, dtype, device)
-                             for attn, use_cache in [("standard", True), ("chacal", True),
-                                                     ("chacal", False)])
+        std, cha, resolve = bench_decode([("standard", True), ("chacal", True), ("chacal", False)],
+                                         T, decode_batch, size, dtype, device)
         print(f"{T:>6} {std:>12.0f} {cha:>13.0f} {cha / std:>6.2f}x {resolve:>16.0f} {resolve / std:>6.2f}x")
         decode_ratios.append(cha / std)
     target("ChaCAL cached decoding tokens/s / standard (worst length)", min(decode_ratios), ">=", 0.9)
@@ -375,10 +375,12 @@ def main():
           f"({tokens} tokens; [CLS], [SEP] = ids 0, 1)")
     print(f"{'attention':<10} {'GFLOPs':>9} {'ratio':>7} {'attn params':>12} {'ratio':>7} {'ms':>9} {'ratio':>7}")
     lego = dict(causal=False, broadcast_ids=(0, 1))
+    lego_attns = ["standard", "lego_v0", "lego_v1"]
+    steps = bench_model_steps([training_step(attn, lego_T, tokens, size, dtype, device, **lego)
+                               for attn in lego_attns], device, args.repeats)
     baseline = None
-    for attn in ["standard", "lego_v0", "lego_v1"]:
+    for attn, (seconds, _) in zip(lego_attns, steps):
         flops, params = count_step(attn, lego_T, tokens, size, **lego)
-        seconds, _ = bench_model_step(attn, lego_T, tokens, size, dtype, device, args.repeats, **lego)
         baseline = baseline or (flops, params, seconds)
         print(f"{attn:<10} {flops / 1e9:>9.2f} {flops / baseline[0]:>6.2f}x {params:>12,} "
               f"{params / baseline[1]:>6.2f}x {seconds * 1e3:>9.2f} {seconds / baseline[2]:>6.2f}x")
@@ -387,8 +389,9 @@ def main():
           "vs the fast path")
     print(f"{'T':>6} {'map ms':>10} {'fast ms':>10} {'ratio':>8}")
     for T in [40, 500] + ([2048] if full else []):  # 40 and 500: the training and longest test length
-        masked, fast = (bench_model_step("dilated", T, tokens, size, dtype, device, args.repeats,
-                                         fused=fused)[0] for fused in (False, True))
+        (masked, _), (fast, _) = bench_model_steps(
+            [training_step("dilated", T, tokens, size, dtype, device, fused=fused)
+             for fused in (False, True)], device, args.repeats)
         print(f"{T:>6} {masked * 1e3:>10.2f} {fast * 1e3:>10.2f} {fast / masked:>7.2f}x")
 
     long_sequences(long_lengths, size, dtype, device, args.repeats)

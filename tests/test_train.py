@@ -282,9 +282,11 @@ def test_bench_measures_every_section_at_a_tiny_size():
     import bench
     size = dict(n_embd=16, n_head=2)
     (t_std, _), (t_cha, _) = bench.bench_core(16, 32, 2, 8, torch.float32, "cpu", repeats=1)
-    step = bench.bench_model_step("chacal", 16, 32, size, torch.float32, "cpu", repeats=1)
-    tokens_per_s = bench.bench_decode("chacal", True, 8, 2, size, torch.float32, "cpu")
-    assert t_std > 0 and t_cha > 0 and step[0] > 0 and tokens_per_s > 0
+    (step, _), = bench.bench_model_steps([bench.training_step("chacal", 16, 32, size, torch.float32,
+                                                               "cpu")], "cpu", repeats=1)
+    cached, recomputed = bench.bench_decode([("chacal", True), ("chacal", False)], 8, 2, size,
+                                            torch.float32, "cpu")
+    assert t_std > 0 and t_cha > 0 and step > 0 and cached > 0 and recomputed > 0
     lego = dict(causal=False, broadcast_ids=(0, 1))
     heads = dict(n_embd=32, n_head=4)
     counts = {attn: bench.count_step(attn, 16, 32, heads, **lego) for attn in ["standard", "lego_v0", "lego_v1"]}
@@ -302,8 +304,9 @@ def test_bench_long_sequences_and_its_verdicts(capsys):
     assert list(results[16]) == bench.LONG_PATHS  # each path timed, its memory from a fresh process
     assert all(seconds > 0 and mib >= 0 for seconds, mib in results[16].values())
     calls = []
-    bench.fastest_of_rounds([lambda i=i: calls.append(i) for i in range(3)], "cpu", repeats=3)
+    runs = bench.in_turns([lambda i=i: calls.append(i) for i in range(3)], "cpu", repeats=3)
     assert calls == [0, 1, 2] + [0, 1, 2] + [1, 2, 0] + [2, 0, 1]  # a warm-up, then rotating turns
+    assert all(len(seconds) == 3 and seconds == sorted(seconds) for seconds, _ in runs)
     capsys.readouterr()
     bench.target("x", 1.2, "<=", 1.1)
     bench.target("x", 1.0, "<=", 1.1)
