@@ -276,6 +276,17 @@ def test_learning_rate_warms_up_then_follows_a_cosine_to_min_lr(tmp_path):
     run = train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--lr", "0.01",
                              "--warmup_iters", "2", "--out_dir", str(tmp_path)])
     assert [m["lr"] for m in run["metrics"]] == pytest.approx([0.01, 0.0055])
+    # Both parameter groups (decayed and not) take the rate, not only the first.
+    groups = torch.load(tmp_path / "ckpt.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert len(groups) == 2 and [g["lr"] for g in groups] == pytest.approx([0.0055, 0.0055])
+
+
+def test_resuming_a_finished_run_takes_no_step_and_changes_nothing(tmp_path):
+    train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    saved = [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")]
+    again = train.main(["--resume", "--no-progress", "--out_dir", str(tmp_path)])
+    assert again["final"]["step"] == 4
+    assert [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")] == saved
 
 
 def test_bench_measures_every_section_at_a_tiny_size():
