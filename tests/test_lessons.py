@@ -61,6 +61,23 @@ def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_pa
     assert "step 6:" in (tmp_path / "parallel" / "0" / "log.txt").read_text()
 
 
+def test_a_worker_trains_on_its_share_of_threads_without_a_progress_bar(tmp_path, monkeypatch):
+    seen = {}
+    def fake_main(argv):
+        seen.update(argv=argv, threads=torch.get_num_threads())
+        print("what the run prints")
+        return {"line": "done"}
+    monkeypatch.setattr(train, "main", fake_main)
+    threads = torch.get_num_threads()
+    try:
+        share = threads + 1  # unlike the count it had, on any machine
+        assert common.main_logged(TINY[:2], str(tmp_path / "run" / "log.txt"), share) == {"line": "done"}
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {"argv": TINY[:2] + ["--no-progress"], "threads": share}
+    assert (tmp_path / "run" / "log.txt").read_text() == "what the run prints\n"  # not the notebook
+
+
 def test_train_many_takes_saved_runs_as_they_are_only_when_asked(tmp_path, capsys, monkeypatch):
     flags = TINY + ["--max_iters", "4", "--eval_interval", "2"]
     finished = flags + ["--out_dir", str(tmp_path / "finished")]
