@@ -202,6 +202,52 @@ def test_the_s3_docstring_example():
     assert [task.vocab[i] for i in task.solve(x)[0, 1:-1:5].tolist()] == ["102", "120", "210"]
 
 
+def test_clauses_are_shuffled_and_the_chain_visits_the_variables_in_random_order():
+    # Neither the sentence order nor the alphabet may give the chain away: with n = 5, a chain
+    # written in sentence order, or in alphabetical order, happens by chance in 1 row of 120.
+    task = get_task("lego", n_vars=5)
+    x, _ = batch(task, 300)
+    in_sentence_order = in_alphabetical_order = 0
+    root_slots = set()
+    for row in x.tolist():
+        positions = chain_positions_by_hand(task, row)
+        slots = sorted(positions, key=positions.get)  # the slots in chain order
+        variables = [task.vocab[row[1 + 5 * s]] for s in slots]
+        in_sentence_order += slots == sorted(slots)
+        in_alphabetical_order += variables == sorted(variables)
+        root_slots.add(slots[0])
+    assert in_sentence_order < 15 and in_alphabetical_order < 15
+    assert root_slots == set(range(5))  # the root's clause anywhere
+
+
+def test_n_supervised_may_be_every_chain_position():
+    task = get_task("lego", n_vars=4, n_supervised=4)
+    x, y = batch(task, 8)
+    assert (y[:, 1:-1:5] != -1).all()
+
+
+def test_the_solver_applies_the_roots_op_to_a_typed_sentence():
+    # sample() always writes the identity at the root; a typed sentence need not.
+    z2 = get_task("lego", n_vars=2)
+    x = z2.encode("[CLS] b = + a , a = - 1 , [SEP]")[None]
+    assert [z2.vocab[i] for i in z2.solve(x)[0, 1:-1:5].tolist()] == ["0", "0"]  # a = -1, b = a
+    s3 = get_task("lego", group="s3", n_vars=1)
+    x = s3.encode("[CLS] a = p120 021 , [SEP]")[None]
+    # p120·021: 0 -> 0 -> 1, 1 -> 2 -> 0, 2 -> 1 -> 2
+    assert s3.vocab[int(s3.solve(x)[0, 1])] == "102"
+
+
+def test_describe_counts_only_the_scored_positions():
+    task = get_task("lego", n_vars=3)
+    x = task.encode("[CLS] a = - c , b = + 1 , c = - b , [SEP]")  # b=1, c=0, a=1
+    truth = task.solve(x[None])[0]
+    y = torch.full_like(x, -1)
+    y[6] = truth[6]                        # only b, the root, scored
+    predictions = truth.clone()
+    predictions[6] = task.token_ids["0"]   # b wrong; a and c right but not scored
+    assert "(0/1 scored right)" in task.describe(x, y, predictions)
+
+
 def test_sampling_is_seeded():
     task = get_task("lego", group="s3")
     x1, y1 = batch(task, 1000, seed=3)

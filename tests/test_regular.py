@@ -81,6 +81,8 @@ def test_length_options_move_the_ranges():
     ("d2", dict(max_train_length=0), "--max_train_length"),
     ("tomita6", dict(max_test_length=50), "--max_test_length"),
     ("modular_arithmetic", dict(max_train_length=600), "--max_test_length"),
+    ("parity", dict(p_one=1.0), "--p_one"),  # all ones: one class at every length
+    ("cycle_navigation", dict(length_samples=0), "--length_samples"),
 ])
 def test_bad_options_name_the_flag(name, options, flag):
     with pytest.raises(ValueError, match=flag):
@@ -233,3 +235,35 @@ def test_long_test_lengths_are_split_into_batches_of_at_most_length_samples():
     model = EvenLengthSolver(task)
     assert task.accuracy_by_length(model, seeded()) == {str(2 ** 14 + 1): 0}
     assert [shape[0] for shape in model.shapes] == [3, 3, 1]
+
+
+def test_sampling_refuses_an_empty_string():
+    with pytest.raises(ValueError, match="length 0"):
+        get_task("parity").sample(4, seeded(), length=0)
+
+
+def test_every_training_length_is_drawn_the_longest_included():
+    task = get_task("even_pairs", max_train_length=6, max_test_length=9)
+    generator = seeded(5)
+    lengths = collections.Counter(task.sample(1, generator)[0].size(1) for _ in range(600))
+    assert set(lengths) == {1, 2, 3, 4, 5, 6}
+    assert min(lengths.values()) > 60  # uniform: about 100 each
+
+
+def test_cycle_navigation_moves_are_uniform():
+    # The docstring: left, stay and right equally likely (a walk that never goes right would
+    # still be labelled right, but is not the task).
+    x, _ = get_task("cycle_navigation").sample(256, seeded(), length=40)
+    shares = x.flatten().bincount(minlength=3) / x.numel()
+    assert (abs(shares - 1 / 3) < 0.02).all()
+
+
+def test_example_is_a_fresh_string_read_whole_or_one_of_the_asked_length():
+    task = get_task("d2")
+    x, n_prompt = task.example(seeded(1))  # no --length: a training length, read at once
+    assert x.dim() == 2 and x.size(0) == 1 and x.size(1) in task.train_lengths
+    assert n_prompt == x.size(1)
+    x, n_prompt = task.example(seeded(1), length=73)
+    assert x.shape == (1, 73) and n_prompt == 73
+    assert ((x >= 0) & (x < len(task.symbols))).all()
+

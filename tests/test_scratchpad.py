@@ -7,7 +7,7 @@ import torch
 
 import train
 from attention import group_visibility
-from data import CYCLE_START, CYCLE_SEP, Cycles, get_task
+from data import CYCLE_PAD, CYCLE_START, CYCLE_SEP, Cycles, get_task
 from model import GPT, GPTConfig, copies, generate_inductive, inductive_layout, training_form
 
 ATTENTIONS = ["standard", "chacal", "standard,chacal"]
@@ -296,6 +296,79 @@ def test_cycles_worked_example_of_the_docstring():
         lines[scratchpad] = start + task.decode(task.completion(prompt))
         assert f"{scratchpad:10s} {lines[scratchpad]}" in Cycles.__doc__
     assert task.decode(prompt).startswith("v46 > v39 ; v77 > v46 ;")
+
+
+@pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
+@pytest.mark.parametrize("options", CYCLE_SETTINGS)
+def test_cycles_block_size_is_the_longest_row_of_either_split(options, scratchpad):
+    task = get_task("cycles", scratchpad=scratchpad, **options)
+    longest = 0
+    for split in ("train", "test"):  # half the rows walk the longer of n and distance
+        x, _ = task.sample(16, torch.Generator().manual_seed(0), split=split)
+        longest = max(longest, int((x != CYCLE_PAD).sum(1).max()))
+    assert task.block_size == longest
+
+
+def test_cycles_default_names_cover_the_larger_test_graph():
+    task = get_task("cycles", cycle_n=3, test_cycle_n=60)  # 120 nodes: more than 100 names
+    x, _ = task.sample(2, torch.Generator().manual_seed(0), split="test")
+    for row in x.tolist():
+        words = [task.vocab[i] for i in row]
+        query = words.index("?")
+        assert len(set(words[0:query - 1:4])) == 120  # every edge from its own node
+
+
+class MaskedWalker(torch.nn.Module):
+    """Stands in for a model that has learned one step of the walk: the logit of each token it
+    reads comes from what the inductive masks let that token see (group 0, its own group, earlier
+    ones), so it writes the walk only if it is given the right groups. More than one previous
+    state in view, or none of the start token, it writes <pad>."""
+
+    def __init__(self, task):
+        super().__init__()
+        self.task = task
+        self.config = GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, pos="none")
+        self.pick_token = GPT.pick_token
+
+    def next_word(self, seen):
+        if ":" not in seen:
+            return "<pad>"
+        question, state = seen[:seen.index(":")], seen[seen.index(":") + 1:]
+        q = question.index("?")
+        successor = dict(zip(question[0:q - 1:4], question[2:q - 1:4]))
+        a, b = question[q - 1], question[q + 1]
+        if state == []:
+            return successor[a]
+        if len(state) in (1, 3) and state[-1] in ("0", "1"):
+            return "."
+        if len(state) in (1, 3):
+            return "#"
+        if len(state) == 2 and state[1] == "#":  # the previous state: one step on
+            return "1" if state[0] == b else "0" if state[0] == a else successor[state[0]]
+        return "<pad>"
+
+    def forward(self, tokens, caches=None, positions=None, groups=None):
+        assert caches is None and groups is not None
+        logits = torch.zeros(*tokens.shape, self.config.vocab_size)
+        for r in range(tokens.size(0)):
+            for i in range(tokens.size(1)):
+                seen = [self.task.vocab[int(tokens[r, j])] for j in range(i + 1)
+                        if int(groups[r, j]) in (0, int(groups[r, i]))]
+                logits[r, i, self.task.token_ids[self.next_word(seen)]] = 1.0
+        return logits, None
+
+
+def test_cycles_generation_under_the_masks_walks_the_graph_one_state_at_a_time():
+    task = get_task("cycles", cycle_n=3, cycle_distance=2, scratchpad="inductive")
+    x, _ = task.sample(4, torch.Generator().manual_seed(0))  # walks of 2 (connected) and 3 steps
+    prompts = torch.tensor(task.prompts(x))
+    out = task.generate(MaskedWalker(task), prompts, 12, use_cache=False)
+    for prompt, row in zip(prompts.tolist(), out.tolist()):
+        words = [task.vocab[i] for i in prompt]
+        answer = expected_completion(words[:-1], "none", *task.sizes["train"])
+        states = expected_completion(words[:-1], "inductive", *task.sizes["train"])[:-2:4]
+        written = [task.vocab[i] for i in row[len(prompt):]]
+        assert written[:written.index(".") + 1] == [w for s in states for w in (s, "#")] + answer
 
 
 def test_cycles_layout_is_for_the_inductive_format_only():
