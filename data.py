@@ -1111,7 +1111,11 @@ class DFARecognition(LabelAtEnd):
 
     def _draw(self, batch_size, length, generator):
         has = {want: self._completions(want, length)[length][0] > 0 for want in (True, False)}
-        n_yes = batch_size // 2 if has[True] and has[False] else batch_size * int(has[True])
+        n_yes = batch_size // 2
+        if batch_size % 2:  # the odd row by a coin flip: a batch of one (sample.py) can be either
+            n_yes += int(torch.randint(2, (1,), generator=generator))
+        if not (has[True] and has[False]):  # a length with members only, or none
+            n_yes = batch_size * int(has[True])
         x = torch.cat([self._walk(n_yes, length, True, generator),
                        self._walk(batch_size - n_yes, length, False, generator)])
         labels = (torch.arange(batch_size) < n_yes).long()

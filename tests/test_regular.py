@@ -267,3 +267,10 @@ def test_example_is_a_fresh_string_read_whole_or_one_of_the_asked_length():
     assert x.shape == (1, 73) and n_prompt == 73
     assert ((x >= 0) & (x < len(task.symbols))).all()
 
+
+@pytest.mark.parametrize("name", ["d2", "tomita5"])
+def test_a_batch_of_one_is_a_member_or_not_by_a_coin_flip(name):
+    # sample.py draws one string: it must be able to show a member (it once never did).
+    task = get_task(name)
+    labels = [task.vocab[int(task.sample(1, seeded(s), length=8)[1][0, -1])] for s in range(40)]
+    assert 10 <= labels.count("yes") <= 30 and labels.count("yes") + labels.count("no") == 40
