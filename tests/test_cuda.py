@@ -14,7 +14,8 @@ import train
 from attention import chacal_attention
 from model import generate_inductive
 from test_attention import explicit_chacal, random_qkv
-from test_model import ATTENTION_STACKS, decoded_with_cache, small_model
+from test_model import (ATTENTION_STACKS, BF16_ATTENTIONS, bf16_step_and_decoding,
+                        decoded_with_cache, small_model)
 from test_scratchpad import ATTENTIONS as GROUP_ATTENTIONS, SEP, START, sep_friendly
 from test_scratchpad import small_model as small_group_model
 
@@ -64,23 +65,9 @@ def test_cached_inductive_generation_on_the_gpu_equals_uncached(attn):
     torch.testing.assert_close(cached_logits, plain_logits, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("attn", ["standard", "chacal", "chacal_diagonal", "dilated", "lego_v0",
-                                  "lego_v1", "standard,chacal"])
+@pytest.mark.parametrize("attn", BF16_ATTENTIONS)
 def test_a_bf16_training_step_and_decoding_on_the_gpu(attn):
-    options = dict(causal=False, broadcast_ids=(0,)) if attn.startswith("lego") else {}
-    model = small_model(attn, **options).float().cuda().train()
-    x = torch.randint(0, 30, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
-    exact, _ = model(x)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits, loss = model(x, x)
-    loss.backward()
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    assert (logits.float() - exact).abs().max() < 0.02
-    if model.can_cache():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model.eval().generate(x[:, :4], 8, temperature=0)
-        assert out.shape == (2, 12) and torch.equal(out[:, :4], x[:, :4])
+    bf16_step_and_decoding(attn, "cuda")
 
 
 TINY = ["--n_embd", "32", "--n_head", "2", "--batch_size", "8", "--max_iters", "4",

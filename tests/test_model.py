@@ -137,24 +137,33 @@ def test_weight_decay_reaches_the_mixing_weights_only(options):
     assert {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)} <= kept
 
 
-@pytest.mark.parametrize("attn", ["standard", "chacal", "chacal_diagonal", "dilated", "lego_v0",
-                                  "lego_v1", "standard,chacal"])
-def test_a_training_step_and_decoding_under_bf16_autocast(attn):
-    # The GPU default: bf16 autocast (ChaCAL solves in float32). Checked here on the CPU's bf16.
+BF16_ATTENTIONS = ["standard", "chacal", "chacal_diagonal", "dilated", "lego_v0", "lego_v1",
+                   "standard,chacal"]
+
+
+def bf16_step_and_decoding(attn, device):
+    """A training step and greedy decoding under bf16 autocast on `device`, against float32."""
     options = dict(causal=False, broadcast_ids=(0,)) if attn.startswith("lego") else {}
-    model = small_model(attn, **options).float().train()
-    x = torch.randint(0, 30, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = small_model(attn, **options).float().to(device).train()
+    x = torch.randint(0, 30, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
     exact, _ = model(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         logits, loss = model(x, x)
     loss.backward()
     assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert (logits.float() - exact).abs().max() < 0.02  # logits up to ~0.6; bf16 errs ~0.002
     if model.can_cache():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = model.eval().generate(x[:, :4], 8, temperature=0)
         assert out.shape == (2, 12) and torch.equal(out[:, :4], x[:, :4])
+
+
+@pytest.mark.parametrize("attn", BF16_ATTENTIONS)
+def test_a_training_step_and_decoding_under_bf16_autocast(attn):
+    # The GPU default: bf16 autocast (ChaCAL solves in float32). Checked here on the CPU's bf16
+    # (tests/test_cuda.py: on a GPU).
+    bf16_step_and_decoding(attn, "cpu")
 
 
 def test_loss_ignores_targets_of_minus_one():
