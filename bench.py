@@ -84,6 +84,11 @@ def median(seconds):
     return seconds[len(seconds) // 2]
 
 
+def medians_in_turns(fns, device, repeats):
+    """(median seconds, peak MiB) of each fn, timed in turns (in_turns)."""
+    return [(median(seconds), peak) for seconds, peak in in_turns(fns, device, repeats)]
+
+
 def bench_core(T, tokens, n_head, head_size, dtype, device, repeats):
     """(median seconds, peak MiB) of forward + backward of fused standard attention and of
     ChaCAL's automatic path, in turns."""
@@ -97,7 +102,7 @@ def bench_core(T, tokens, n_head, head_size, dtype, device, repeats):
     def chacal():
         chacal_attention(q, k, v, 0.9).sum().backward()
 
-    return [(median(seconds), peak) for seconds, peak in in_turns([standard, chacal], device, repeats)]
+    return medians_in_turns([standard, chacal], device, repeats)
 
 
 def autocast(device, dtype):
@@ -127,11 +132,6 @@ def training_step(attn, T, tokens, size, dtype, device, fused=True, **options):
         optimizer.zero_grad(set_to_none=True)
 
     return step
-
-
-def bench_model_steps(steps, device, repeats):
-    """Median seconds and peak MiB of each training step, in turns."""
-    return [(median(seconds), peak) for seconds, peak in in_turns(steps, device, repeats)]
 
 
 def count_step(attn, T, tokens, size, **options):
@@ -353,7 +353,7 @@ def main():
     print(header)
     step_ratios = []
     for T in lengths:
-        std, cha = bench_model_steps([training_step(attn, T, tokens, size, dtype, device)
+        std, cha = medians_in_turns([training_step(attn, T, tokens, size, dtype, device)
                                       for attn in ["standard", "chacal"]], device, args.repeats)
         print(row(T, std, cha))
         step_ratios.append(cha[0] / std[0])
@@ -376,7 +376,7 @@ def main():
     print(f"{'attention':<10} {'GFLOPs':>9} {'ratio':>7} {'attn params':>12} {'ratio':>7} {'ms':>9} {'ratio':>7}")
     lego = dict(causal=False, broadcast_ids=(0, 1))
     lego_attns = ["standard", "lego_v0", "lego_v1"]
-    steps = bench_model_steps([training_step(attn, lego_T, tokens, size, dtype, device, **lego)
+    steps = medians_in_turns([training_step(attn, lego_T, tokens, size, dtype, device, **lego)
                                for attn in lego_attns], device, args.repeats)
     baseline = None
     for attn, (seconds, _) in zip(lego_attns, steps):
@@ -389,7 +389,7 @@ def main():
           "vs the fast path")
     print(f"{'T':>6} {'map ms':>10} {'fast ms':>10} {'ratio':>8}")
     for T in [40, 500] + ([2048] if full else []):  # 40 and 500: the training and longest test length
-        (masked, _), (fast, _) = bench_model_steps(
+        (masked, _), (fast, _) = medians_in_turns(
             [training_step("dilated", T, tokens, size, dtype, device, fused=fused)
              for fused in (False, True)], device, args.repeats)
         print(f"{T:>6} {masked * 1e3:>10.2f} {fast * 1e3:>10.2f} {fast / masked:>7.2f}x")

@@ -293,7 +293,7 @@ def test_bench_measures_every_section_at_a_tiny_size():
     import bench
     size = dict(n_embd=16, n_head=2)
     (t_std, _), (t_cha, _) = bench.bench_core(16, 32, 2, 8, torch.float32, "cpu", repeats=1)
-    (step, _), = bench.bench_model_steps([bench.training_step("chacal", 16, 32, size, torch.float32,
+    (step, _), = bench.medians_in_turns([bench.training_step("chacal", 16, 32, size, torch.float32,
                                                                "cpu")], "cpu", repeats=1)
     cached, recomputed = bench.bench_decode([("chacal", True), ("chacal", False)], 8, 2, size,
                                             torch.float32, "cpu")
