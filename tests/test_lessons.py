@@ -15,6 +15,7 @@ import nbformat
 import pytest
 import torch
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 import train
 
@@ -37,6 +38,44 @@ def test_lesson_executes_at_smoke_scale(path, monkeypatch):
     errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
               if output.get("output_type") == "error"]
     assert not errors
+
+
+# Run first in a lesson at the gpu scale: its first plan of runs goes through train.py's checks
+# (on the CPU, into a scratch folder), and the lesson stops there, having trained nothing.
+CHECK_THE_PLAN = """
+import contextlib, io, common, train
+class PlanChecked(Exception):
+    pass
+class PlanRefused(Exception):
+    pass
+def check_plan(argvs, jobs=1, resume_saved=False):
+    for k, argv in enumerate(argvs):
+        argv = list(argv)
+        argv[argv.index("--out_dir") + 1] = {scratch!r} + f"/{{k}}"
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                train.parse_args(argv + ["--device", "cpu"])
+        except SystemExit:
+            raise PlanRefused(" ".join(argv) + ": " + said.getvalue().strip().splitlines()[-1]) from None
+    raise PlanChecked(f"{{len(argvs)}} runs checked")
+common.train_many = check_plan
+"""
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(LESSONS, "*.ipynb"))),
+                         ids=os.path.basename)
+def test_lesson_plans_valid_runs_at_gpu_scale(path, tmp_path, monkeypatch):
+    # The paper's sizes are never trained here; the flags of the first runs each lesson plans
+    # at that scale must at least pass train.py's checks, as a reader with a GPU would run them.
+    monkeypatch.setenv("NANOCHACAL_SCALE", "gpu")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(path, as_version=4)
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(CHECK_THE_PLAN.format(scratch=str(tmp_path))))
+    with pytest.raises(CellExecutionError) as stopped:
+        NotebookClient(notebook, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": LESSONS}}).execute()
+    assert stopped.value.ename == "PlanChecked", f"{stopped.value.ename}: {stopped.value.evalue}"
 
 
 def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_path):
