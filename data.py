@@ -69,8 +69,8 @@ class Task:
         A reading task's model reads x[:, :n_prompt] at once and the rest one token at a time;
         a task that generates_answer is given x as the prompt to continue."""
         if prompt is not None:
-            raise ValueError(f"--prompt: typed prompts are not read by this task; sample.py "
-                             f"draws a fresh example (choose it with --seed)")
+            raise ValueError("--prompt: typed prompts are not read by this task; sample.py "
+                             "draws a fresh example (choose it with --seed)")
         if length is not None:
             raise ValueError("--length: this task's sequences have one length; --length is for "
                              "tasks tested at lengths longer than training")
@@ -786,6 +786,8 @@ class Boxes(Task):
             ids = self.prompt_and_answer(int(torch.randint(len(self.rows["test"]), (1,),
                                                            generator=generator)))[0]
         else:
+            prompt = " ".join(prompt.split())  # a newline or a trailing space is no new word
+            prompt += "." if prompt and not prompt.endswith(".") else ""  # as training prompts end
             try:
                 ids = torch.tensor([BOS, *encode(prompt), SEP])
                 simulate(prompt)  # a prompt the simulator cannot follow has no right answer
@@ -1652,12 +1654,25 @@ class Cycles(Task):
             ids = [self.token_ids[word] for word in prompt.split()]
             ids = ids[:-1] if ids[-1:] == [CYCLE_START] else ids
             try:
+                if not self.well_formed(ids):
+                    raise ValueError
                 self.walk(ids)
             except (ValueError, KeyError, IndexError):
                 raise ValueError("--prompt: expected edges 'vX > vY ;' where every node has one "
                                  "successor, then the query 'vA ? vB ;'") from None
             ids += self._start()
         return torch.tensor([ids]), len(ids)
+
+    @staticmethod
+    def well_formed(ids):
+        """Whether ids read 'vX > vY ;' per edge, one edge out of each node, then 'vA ? vB ;'."""
+        is_name = lambda i: i >= len(CYCLE_WORDS)
+        sources = ids[0:-4:4]
+        return (len(ids) >= 8 and len(ids) % 4 == 0 and len(set(sources)) == len(sources)
+                and all(is_name(ids[i]) and ids[i + 1] == CYCLE_EDGE and is_name(ids[i + 2])
+                        and ids[i + 3] == CYCLE_END for i in range(0, len(ids) - 4, 4))
+                and is_name(ids[-4]) and ids[-3] == CYCLE_QUERY and is_name(ids[-2])
+                and ids[-1] == CYCLE_END)
 
     def decode(self, ids):
         """The text of token ids, padding left out: 'v4 > v9 ; ... v4 ? v7 ; : v9 # 1 .'"""
@@ -1800,7 +1815,8 @@ class Text(Task):
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
         metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
-        return {**metrics, "eval_perplexity": math.exp(metrics["eval_loss"])}
+        loss = metrics["eval_loss"]  # math.exp overflows past 709, as a diverging run's loss may
+        return {**metrics, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf")}
 
     def chain_depth(self, x):
         return torch.zeros_like(x)

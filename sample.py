@@ -12,7 +12,8 @@ reads as a decoder would: a prompt at once (for ChaCAL, one triangular solve), t
 time against the per-layer cache, its prediction at each position being its answer there. A task
 that generates_answer (data.Task) gives a prompt, after which the model writes greedily.
 The cache changes only the speed. A bidirectional model, or one that cannot keep a cache
-(adaptive depth, LEGO attention), reads the whole sequence in one pass.
+(adaptive depth, LEGO attention), reads the whole sequence in one pass, as training evaluates it:
+under adaptive depth a shorter prefix would run through fewer layers.
 """
 
 import time
@@ -57,7 +58,10 @@ def main(argv=None):
         device = pick_device(args.device)
         model, checkpoint = load_model(args.out_dir, device)
         run = checkpoint["args"]
-        task = task_from_settings(run)
+        try:
+            task = task_from_settings(run)
+        except ValueError as error:  # its data moved, say: the flag is the run's, not sample.py's
+            raise ValueError(f"the run in {args.out_dir} cannot rebuild its task: {error}") from None
         x, n_prompt = task.example(torch.Generator().manual_seed(args.seed), args.prompt, args.length)
         flag = "--prompt" if args.prompt is not None else "--length"
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
@@ -82,8 +86,8 @@ def main(argv=None):
         print(task.describe(out[0].cpu()))
         how = "written after the prompt, its one pass included"
     else:
-        if not model.config.causal:
-            n_prompt = x.size(1)  # a bidirectional model reads everything at once
+        if not model.config.causal or not model.can_cache():
+            n_prompt = x.size(1)  # everything at once, each position at the depth evaluation used
         predictions, seconds = read_token_by_token(model, x, n_prompt, use_cache)
         truth, predictions, n_tokens = task.solve(x.cpu()), predictions.cpu(), x.size(1) - n_prompt
         scored = truth != -1
@@ -93,6 +97,8 @@ def main(argv=None):
     if n_tokens:
         path = "with the cache" if use_cache else "no cache, recomputing the prefix"
         print(f"{n_tokens} tokens {how}: {n_tokens / seconds:.0f} tokens/s on {device} ({path})")
+    elif not task.generates_answer:
+        print(f"{x.size(1)} tokens read in one pass")
 
 
 if __name__ == "__main__":

@@ -192,6 +192,10 @@ def parse_args(argv=None):
         if args.bidirectional and task_class(args.task).generates_answer:  # before building it
             raise ValueError(f"--bidirectional: task {args.task} is scored by generating its "
                              f"answer, and a bidirectional model would read the answer it writes")
+        if args.n_layer == "auto" and task_class(args.task).generates_answer:
+            raise ValueError(f"--n_layer auto: task {args.task} writes its answer token by token, and "
+                             f"adaptive depth would run each written token through fewer layers "
+                             f"than training gave it; give --n_layer a number")
         task = task_from_settings(vars(args))
         if args.init_from:  # the model of the weights (resuming, of the run's own checkpoint)
             config, checkpoint = initial_weights(args, task, typed, checkpoint)
@@ -299,6 +303,8 @@ def initial_weights(args, task, typed, checkpoint=None):
     config = GPTConfig(**{**checkpoint["config"], **swap})
     needed = {"vocab_size": task.vocab_size, "block_size": max(task.block_size, config.block_size),
               **{k: v for k, v in typed.items() if k in checkpoint["config"] and k not in swap}}
+    if "bidirectional" in typed:  # the flag's field in GPTConfig is its opposite
+        needed["causal"] = not args.bidirectional
     for name, value in needed.items():
         if getattr(config, name) != value:
             raise ValueError(f"--init_from {args.init_from}: its model has {name} "
@@ -333,8 +339,8 @@ def load_model(out_dir, device="cpu"):
     return model, checkpoint
 
 
-def save_run(out_dir, model, optimizer, args, step, train_time, rngs, metrics):
-    """The checkpoint, then metrics.jsonl written from the same metrics, each replaced whole."""
+def save_checkpoint(out_dir, model, optimizer, args, step, train_time, rngs, metrics):
+    """ckpt.pt, replaced whole: everything --resume needs, the metrics so far included."""
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                   "config": asdict(model.config), "args": args.settings, "step": step,
                   "train_time": train_time, "metrics": metrics,
@@ -344,6 +350,10 @@ def save_run(out_dir, model, optimizer, args, step, train_time, rngs, metrics):
     path = os.path.join(out_dir, "ckpt.pt")
     torch.save(checkpoint, path + ".tmp")
     os.replace(path + ".tmp", path)  # a kill during the save leaves the old checkpoint whole
+
+
+def write_metrics(out_dir, metrics):
+    """metrics.jsonl, one record per line, replaced whole."""
     path = os.path.join(out_dir, "metrics.jsonl")
     with open(path + ".tmp", "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in metrics)
@@ -356,7 +366,7 @@ def set_up(args, config, checkpoint):
     model = GPT(config).to(args.device)
     optimizer = model.configure_optimizer(args.weight_decay, args.lr, (args.beta1, args.beta2))
     data_rng = torch.Generator().manual_seed(args.seed)      # training batches
-    eval_rng = torch.Generator().manual_seed(args.seed + 1)  # test batches, never seen in training
+    eval_rng = torch.Generator().manual_seed(args.seed + 1)  # test batches, a stream of their own
     state = {"step": 0, "train_time": 0.0, "metrics": []}
     if checkpoint is not None:  # resuming, or starting from the weights of --init_from
         model.load_state_dict(checkpoint["model"])
@@ -372,6 +382,12 @@ def set_up(args, config, checkpoint):
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
         state.update(step=checkpoint["step"], train_time=checkpoint["train_time"],
                      metrics=list(checkpoint["metrics"]))
+        path, lines = os.path.join(args.out_dir, "metrics.jsonl"), 0
+        if os.path.exists(path):
+            with open(path) as f:
+                lines = sum(1 for _ in f)
+        if lines != len(state["metrics"]):  # an interrupt came between ckpt.pt and this file
+            write_metrics(args.out_dir, state["metrics"])
     elif os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
         print(f"{args.out_dir} holds an earlier run, which this run replaces at its first "
               f"checkpoint (step {min(args.eval_interval, args.max_iters)}); --resume continues it")
@@ -440,8 +456,10 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
                                       args.device, autocast, final=True)
                 record.update({k: v for k, v in extra.items() if k not in record}, stopped_early=True)
                 final = True
-            state["metrics"].append(record)
-            save_run(args.out_dir, model, optimizer, args, step, state["train_time"], rngs, state["metrics"])
+            metrics = state["metrics"] + [record]
+            save_checkpoint(args.out_dir, model, optimizer, args, step, state["train_time"], rngs, metrics)
+            state["metrics"] = metrics  # now in ckpt.pt: the last step an interrupt can name
+            write_metrics(args.out_dir, metrics)
             window = []
             bar.write(f"step {step}: {describe_metrics(record)}")
             if final:

@@ -93,7 +93,7 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
         raise ValueError(f"train_many: more than one run writes to {', '.join(twice)}")
     if resume_saved:
         argvs = [reuse_if_saved(argv) for argv in argvs]
-    if jobs == 1:
+    if jobs == 1 or not argvs:
         return [train.main(argv) for argv in argvs]
     context = multiprocessing.get_context("spawn")
     threads = max(1, CORES // min(jobs, len(argvs)))
@@ -106,16 +106,21 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
             for count, finished in enumerate(concurrent.futures.as_completed(running), start=1):
                 try:
                     line = finished.result()["line"]
-                except concurrent.futures.BrokenExecutor:  # the worker was killed, not failed
+                except concurrent.futures.BrokenExecutor:  # a worker was killed, not failed
+                    # Every unfinished run fails so at once, in no telling order: name them all.
+                    broken = [log for run, log in running.items() if run.done() and not run.cancelled()
+                              and isinstance(run.exception(), concurrent.futures.BrokenExecutor)]
                     raise SystemExit(f"a worker process died without an error (most often killed "
-                                     f"for lack of memory: run fewer at a time); what the run "
-                                     f"printed is in {running[finished]}")
+                                     f"for lack of memory: run fewer at a time); what the runs "
+                                     f"in progress printed is in {', '.join(broken)}")
                 except BaseException as error:  # SystemExit too: its message went to the log
                     raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
                                      f"output is in {running[finished]}")
                 print(f"[{count}/{len(running)} runs, {jobs} at a time, "
                       f"{time.perf_counter() - started:.0f} s] {line}", flush=True)
-        except BaseException:  # a failed run or Ctrl-C: runs not yet started never start
+        except BaseException as error:  # a failed run or Ctrl-C: runs not yet started never start
+            if not isinstance(error, KeyboardInterrupt):  # (Ctrl-C stops the workers too)
+                print(f"{error}\nthe runs in progress finish first; the others never start", flush=True)
             pool.shutdown(cancel_futures=True)
             raise
         return [run.result() for run in running]

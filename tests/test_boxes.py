@@ -382,7 +382,10 @@ def test_example_is_a_test_prompt_or_the_typed_one():
     assert any(torch.equal(x[0], t.prompt_and_answer(i)[0]) for i in range(len(t.rows["test"])))
     typed, _ = t.example(None, prompt=TINY_PROMPT)
     assert typed[0].tolist() == [BOS, *encode(TINY_PROMPT), SEP]
-    for impossible in ["Juggle Box A.", "The cup is in Box A. Remove the key from Box A."]:
+    for spaced in (TINY_PROMPT + " ", TINY_PROMPT.replace(". ", ".\n"), TINY_PROMPT.replace(" ", "  "),
+                   TINY_PROMPT.rstrip(".")):  # whitespace is no word; the last "." is implied
+        assert torch.equal(t.example(None, prompt=spaced)[0], typed)
+    for impossible in ["Juggle Box A.", "The cup is in Box A. Remove the key from Box A.", " \n"]:
         with pytest.raises(ValueError, match="--prompt"):  # unreadable, or no right answer
             t.example(None, prompt=impossible)
     assert decode([BOS, *encode(TINY_PROMPT), SEP]) == f"<bos> {TINY_PROMPT} <sep>"

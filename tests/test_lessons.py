@@ -162,7 +162,7 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
         common.train_many([TINY + out, TINY + out])
 
 
-def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path):
+def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path, capsys):
     # The pool hands a few runs to its workers ahead of time, and those cannot be called back;
     # runs of a second each make sure the failure is seen long before the last ones come up.
     runs = [("bad", ["--eval_interval", "0"])] + [(f"queued{i}", []) for i in range(8)]
@@ -170,6 +170,7 @@ def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tm
              for name, extra in runs]
     with pytest.raises(SystemExit, match="bad"):
         common.train_many(argvs, jobs=2)
+    assert "the others never start" in capsys.readouterr().out  # said before waiting on them
     assert "--eval_interval" in (tmp_path / "bad" / "log.txt").read_text()
     assert not (tmp_path / "queued7").exists()
 
@@ -195,6 +196,7 @@ def test_a_killed_parallel_run_is_named_as_killed(tmp_path):
         os.kill(worker.pid, signal.SIGKILL)
     caller.join(timeout=120)
     assert raised and "died without an error" in raised[0] and "fewer at a time" in raised[0]
+    assert all(str(tmp_path / f"run{k}" / "log.txt") in raised[0] for k in range(2))  # both named
 
 
 def test_the_gpu_scale_of_the_shared_toy_runs_passes_train_py_checks(tmp_path):

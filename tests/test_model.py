@@ -122,6 +122,9 @@ def test_sampling_draws_from_the_tempered_softmax_among_the_top_k():
     top3 = torch.cat([torch.zeros(2, dtype=torch.double), weights[2:] / weights[2:].sum()])
     torch.testing.assert_close(frequencies(temperature=2.0, top_k=3), top3, atol=0.01, rtol=0)
     assert (GPT.pick_token(logits[:2], temperature=0) == 4).all()
+    for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_k=0)):
+        with pytest.raises(ValueError, match="temperature .* top_k"):
+            GPT.pick_token(logits[:2], **bad)
 
 
 @pytest.mark.parametrize("options", [dict(attn="standard,dilated,chacal"),

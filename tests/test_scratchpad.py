@@ -464,7 +464,12 @@ def test_cycles_typed_prompts_are_read_or_refused():
     x, n_prompt = task.example(None, "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;")
     assert task.decode(x[0]) == "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ; :"
     assert n_prompt == x.size(1) == 21
-    for bad in ("v1 > v2 ; v2 > v3 ; v3 > v2 ; v1 ? v5 ;", "v1 > v2 ; v1 ? v3 ;", "w1 ? v2 ;"):
+    # Not cycles; an edge out of nowhere; a word that is no token; no ";" after the query (the
+    # model's first token would be read as part of it); an edge without ">"; two edges out of v1.
+    for bad in ("v1 > v2 ; v2 > v3 ; v3 > v2 ; v1 ? v5 ;", "v1 > v2 ; v1 ? v3 ;", "w1 ? v2 ;",
+                "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3",
+                "v1 v2 ; ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;",
+                "v1 > v2 ; v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;"):
         with pytest.raises(ValueError, match="--prompt"):
             task.example(None, bad)
 

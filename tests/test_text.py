@@ -111,6 +111,11 @@ def test_perplexity_is_exp_of_the_validation_loss(corpus):
     assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
     assert 200 < metrics["eval_perplexity"] < 330  # an untrained model: near 256, uniform
     assert metrics == task.evaluate(model, 64, 16, torch.Generator().manual_seed(5))  # fixed windows
+    # A diverging run's loss past 709 overflows math.exp: its perplexity is infinite, not an error.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)
+    metrics = task.evaluate(model, 64, 16, torch.Generator())
+    assert metrics["eval_loss"] > 709 and metrics["eval_perplexity"] == math.inf
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -157,6 +162,19 @@ def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_
         out, err = capsys.readouterr()
         assert "step 30:" not in out and len(err.splitlines()) == 1  # no header before it
         assert "--prompt" in err and why in err, err
+
+
+def test_sample_says_when_the_runs_text_is_gone(corpus, tmp_path, capsys):
+    data = tmp_path / "moved.txt"  # --data is the run's flag, not sample.py's: the error says so
+    data.write_bytes(corpus.read_bytes())
+    train.main(TINY + ["--data", str(data), "--max_iters", "1", "--eval_interval", "1",
+                       "--out_dir", str(tmp_path / "run")])
+    data.unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        sample.main(["--out_dir", str(tmp_path / "run"), "--device", "cpu"])
+    error = capsys.readouterr().err
+    assert len(error.splitlines()) == 1 and "cannot rebuild its task" in error and "moved.txt" in error
 
 
 def first_step(argv):

@@ -159,6 +159,8 @@ BAD_FLAGS = [
     (["--task", "parity", "--n_blocks", "4"], "--n_blocks"),
     (["--attn", "dilated", "--bidirectional"], "--bidirectional"),
     (["--task", "boxes", "--bidirectional"], "--bidirectional"),
+    (["--task", "boxes", "--share_weights"], "--n_layer auto"),  # adaptive depth, written answer
+    (["--task", "cycles", "--share_weights", "--n_layer", "auto"], "--n_layer auto"),
     (["--share_weights", "--n_layer", "4", "--min_train_layers", "6"], "--min_train_layers"),
     (["--mimic_iters", "5", "--n_head", "1"], "--mimic_iters"),
     (["--task", "lego", "--attn", "lego_v0", "--bidirectional", "--mimic_iters", "3"], "--mimic_iters"),
@@ -219,10 +221,10 @@ def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path, model)
     cached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3")
     uncached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3", "--no_cache")
     assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
-    # The cache where the model keeps one; LEGO's bidirectional models and shared adaptive
-    # depth recompute the prefix even when the cache is asked for.
-    assert ("(with the cache)" if not model else "(no cache") in cached.stdout
-    assert "(no cache" in uncached.stdout
+    # The cache where the model keeps one; LEGO attention and adaptive depth keep none, and read
+    # the whole sequence in one pass (as evaluation does) whether or not the cache is asked for.
+    assert ("(with the cache)" if not model else "read in one pass") in cached.stdout
+    assert ("(no cache" if not model else "read in one pass") in uncached.stdout
     answers = lambda out: [line for line in out.splitlines() if "model" in line]
     assert answers(cached.stdout) and answers(cached.stdout) == answers(uncached.stdout)
 
@@ -235,6 +237,26 @@ def test_sample_accuracy_counts_the_scored_positions_only(tmp_path, monkeypatch,
     monkeypatch.setattr(sample, "read_token_by_token", right_where_scored)
     sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])
     assert "accuracy 100.00%" in capsys.readouterr().out
+
+
+def test_sample_reads_an_adaptive_depth_model_as_evaluation_does(tmp_path, monkeypatch):
+    # Adaptive depth runs a shorter input through fewer layers: read token by token, each
+    # position would be predicted by a shallower model than the one training evaluated.
+    train.main(TINY + ["--share_weights", "--max_iters", "4", "--eval_interval", "4",
+                       "--out_dir", str(tmp_path)])
+    read_by_sample, calls = sample.read_token_by_token, []
+    def recorded(model, x, n_prompt, use_cache=True):
+        predictions, seconds = read_by_sample(model, x, n_prompt, use_cache)
+        calls.append((model, x, predictions))
+        return predictions, seconds
+    monkeypatch.setattr(sample, "read_token_by_token", recorded)
+    sample.main(["--out_dir", str(tmp_path), "--device", "cpu", "--seed", "3"])
+    model, x, predictions = calls[0]
+    with torch.no_grad():
+        whole = model(x)[0]
+        by_prefix = torch.cat([model(x[:, :t + 1])[0][:, -1:] for t in range(x.size(1))], dim=1)
+    assert torch.equal(predictions, whole.argmax(dim=-1))
+    assert not torch.allclose(by_prefix, whole)  # what reading token by token would have shown
 
 
 def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
@@ -342,9 +364,9 @@ def test_boxes_run_trains_and_answers_a_typed_prompt(tmp_path, monkeypatch):
     assert "exact match:" in result.stdout and "boxes right" in result.stdout and "/2\n" in result.stdout
     bad = run_script("sample.py", "--out_dir", "run", "--prompt", "Juggle Box A.", cwd=tmp_path)
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
-    # Adaptive depth and LEGO attention cannot decode against a cache: their answers are written
-    # by recomputing the prefix.
-    for model in (["--attn", "standard", "--share_weights"], ["--attn", "lego_v0"]):
+    # LEGO attention cannot decode against a cache: its answers are written by recomputing the
+    # prefix. (Adaptive depth, which cannot either, is refused for tasks that write an answer.)
+    for model in (["--attn", "lego_v0"],):
         run = train.main(["--task", "boxes", "--n_train", "64", "--n_test", "16", *model,
                           "--n_embd", "16", "--n_head", "2", "--batch_size", "4", "--max_iters", "1",
                           "--eval_interval", "1", "--eval_samples", "2", "--no-progress",
@@ -443,6 +465,16 @@ def test_records_hold_the_mean_training_loss_of_their_interval(tmp_path, monkeyp
         [sum(losses[:12]) / 12, sum(losses[12:]) / 12], rel=1e-5)
 
 
+def test_init_from_a_causal_run_refuses_a_typed_bidirectional(tmp_path, capsys):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path / "pre")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # it would have trained the causal model it loaded, silently
+        train.main(TINY + ["--bidirectional", "--init_from", str(tmp_path / "pre"),
+                           "--out_dir", str(tmp_path / "next")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--init_from" in error[0] and "causal True" in error[0]
+
+
 def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkeypatch):
     flags = TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     train.main(flags)
@@ -462,6 +494,10 @@ def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkey
     (tmp_path / "metrics.jsonl").unlink()  # even without it, the checkpoint holds the history
     summary = train.main(["--resume", "--max_iters", "6", "--no-progress"] + flags[-2:])
     assert [m["step"] for m in summary["metrics"]] == [2, 4, 6]
+    # Killed between the checkpoint and the metrics file of the last step: a resume writes it.
+    (tmp_path / "metrics.jsonl").write_text(before)
+    train.main(["--resume", "--no-progress"] + flags[-2:])  # finished: nothing left to train
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [2, 4, 6]
 
 
 def test_a_kill_while_the_checkpoint_is_written_leaves_the_last_one_whole(tmp_path, monkeypatch):
@@ -475,7 +511,7 @@ def test_a_kill_while_the_checkpoint_is_written_leaves_the_last_one_whole(tmp_pa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", half_written)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="ckpt.pt holds step 2:"):  # not the step 4 it was saving
         train.main(["--resume", "--max_iters", "4"] + flags[-2:])
     monkeypatch.undo()
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
