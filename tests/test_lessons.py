@@ -1,6 +1,7 @@
 """The lessons: every notebook runs top to bottom at the smoke scale (tiny runs, seconds on a
 CPU), and their helper module, lessons/common.py, trains many runs as one would one by one."""
 
+import concurrent.futures
 import glob
 import json
 import multiprocessing
@@ -208,3 +209,41 @@ def test_the_gpu_scale_of_the_shared_toy_runs_passes_train_py_checks(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], cwd=LESSONS, capture_output=True, text=True,
                             env={**os.environ, "NANOCHACAL_SCALE": "gpu"}, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_parallel_workers_share_the_cores_among_the_runs_there_are(tmp_path, monkeypatch):
+    # Fewer runs than jobs: each run gets the cores the idle jobs leave, not a jobs-th of them.
+    threads = []
+    class Inline:  # a pool that records each worker's thread count instead of spawning it
+        def __init__(self, jobs, mp_context):
+            pass
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return False
+        def submit(self, fn, argv, log, n_threads):
+            threads.append(n_threads)
+            future = concurrent.futures.Future()
+            future.set_result({"line": "done"})
+            return future
+    monkeypatch.setattr(common, "CORES", 8)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Inline)
+    argvs = [TINY + ["--out_dir", str(tmp_path / name)] for name in ("a", "b")]
+    assert common.train_many(argvs, jobs=4) == [{"line": "done"}] * 2
+    assert threads == [4, 4]
+
+
+def test_a_saved_run_is_reused_whatever_its_progress_bar_place_or_newer_flags(tmp_path):
+    # Neither the bar, nor a moved directory, nor a setting added since the run was saved makes
+    # it another run.
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
+    train.main(flags + ["--out_dir", str(tmp_path / "run")])
+    without_bar = [f for f in flags if f != "--no-progress"]
+    assert common.reuse_if_saved(without_bar + ["--out_dir", str(tmp_path / "run")])[-1] == "--resume"
+    os.rename(tmp_path / "run", tmp_path / "moved")
+    assert common.reuse_if_saved(flags + ["--out_dir", str(tmp_path / "moved")])[-1] == "--resume"
+    path = tmp_path / "moved" / "ckpt.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["args"]["weight_init"]  # as a run saved before the flag existed
+    torch.save(checkpoint, path)
+    assert common.reuse_if_saved(flags + ["--out_dir", str(tmp_path / "moved")])[-1] == "--resume"

@@ -650,3 +650,149 @@ def test_a_damaged_boxes_cache_is_named_with_what_to_do(tmp_path, monkeypatch, c
         train.main(flags)
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and cache.name in error[0] and "delete it" in error[0]
+
+
+def test_a_run_whose_max_iters_is_no_multiple_of_eval_interval_still_ends_evaluated(tmp_path):
+    # The last steps after the last regular evaluation must still be evaluated and saved.
+    run = train.main(TINY + ["--max_iters", "5", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    assert [m["step"] for m in run["metrics"]] == [2, 4, 5] and run["final"]["step"] == 5
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 5
+
+
+def test_weights_broken_by_the_last_step_are_never_saved(tmp_path, monkeypatch):
+    # A step's loss is measured before its update: weights that update made infinite must still
+    # stop the run before they replace a checkpoint.
+    step = torch.optim.AdamW.step
+    def breaking_step(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].fill_(math.inf)
+        return result
+    monkeypatch.setattr(torch.optim.AdamW, "step", breaking_step)
+    with pytest.raises(SystemExit, match="untouched"):
+        train.main(TINY + ["--max_iters", "1", "--eval_interval", "1", "--out_dir", str(tmp_path)])
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_resume_replaces_a_longer_metrics_file_left_by_an_earlier_run(tmp_path, monkeypatch):
+    # A fresh run killed between its first checkpoint and its metrics file leaves the earlier
+    # run's longer file behind; resuming must not report that run's history as this one's.
+    train.main(TINY + ["--max_iters", "6", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    def killed(out_dir, metrics):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "write_metrics", killed)
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--seed", "5", "--out_dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="holds step 2"):
+        train.main(flags)
+    monkeypatch.undo()
+    summary = train.main(["--resume", "--no-progress", "--out_dir", str(tmp_path)])
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert lines == summary["metrics"] and [m["step"] for m in lines] == [2]
+
+
+def test_an_interrupted_fresh_run_names_the_step_its_checkpoint_holds(tmp_path, monkeypatch):
+    # Ctrl-C after the checkpoint of step 2 must say it holds step 2, not that nothing was saved.
+    evaluate, calls = PointerChains.evaluate, []
+    def interrupted_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(PointerChains, "evaluate", interrupted_second_time)
+    with pytest.raises(SystemExit, match="ckpt.pt holds step 2: add --resume"):
+        train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+
+
+def test_init_from_a_bidirectional_run_keeps_it_bidirectional_typed_or_not(tmp_path):
+    # Only a typed --bidirectional that contradicts the saved model is an error; agreeing with
+    # it, or leaving it out, takes the saved (bidirectional) model.
+    lego = ["--task", "lego", "--n_vars", "4", "--attn", "standard", "--n_embd", "16", "--n_head",
+            "2", "--batch_size", "4", "--eval_samples", "8", "--no-progress", "--device", "cpu"]
+    train.main(lego + ["--bidirectional", "--max_iters", "1", "--eval_interval", "1",
+                       "--out_dir", str(tmp_path / "pre")])
+    for typed in (["--bidirectional"], []):
+        _, _, config, _ = train.parse_args(lego + typed + ["--init_from", str(tmp_path / "pre"),
+                                                           "--out_dir", str(tmp_path / "next")])
+        assert config.causal is False
+
+
+def test_init_from_a_run_with_a_longer_block_size_keeps_it(tmp_path):
+    # A saved model that accepts longer sequences than the task needs can still start a run.
+    train.main(TINY + ["--block_size", "32", "--max_iters", "1", "--eval_interval", "1",
+                       "--out_dir", str(tmp_path / "pre")])
+    _, _, config, _ = train.parse_args(TINY + ["--init_from", str(tmp_path / "pre"),
+                                               "--out_dir", str(tmp_path / "next")])
+    assert config.block_size == 32
+
+
+def test_init_from_a_missing_nested_path_tries_no_download(tmp_path, monkeypatch, capsys):
+    # A path with several slashes names a directory, never a hub model: nothing is fetched.
+    def no_download(name):
+        raise AssertionError(f"tried to download {name}")
+    monkeypatch.setattr(train.GPT, "from_pretrained", no_download)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        train.parse_args(TINY + ["--init_from", "runs/old/run1"])
+    assert "no ckpt.pt there" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--lr", "1e-3", "--min_lr", "1e-3"],
+                                   ["--warmup_iters", "10", "--lr_decay_iters", "10"]])
+def test_a_constant_rate_or_a_decay_ending_with_the_warmup_is_accepted(flags, tmp_path):
+    # The limits of check_numbers are inclusive: min_lr = lr and lr_decay_iters = warmup_iters.
+    args, *_ = train.parse_args(TINY + flags + ["--out_dir", str(tmp_path)])
+    assert args.min_lr <= args.lr and args.lr_decay_iters >= args.warmup_iters
+
+
+@pytest.mark.parametrize("flags, named", [(["--eval_interval", "0"], "--eval_interval"),
+                                          (["--lr_decay_iters", "0", "--warmup_iters", "0"],
+                                           "--lr_decay_iters")])
+def test_zero_counts_are_refused_with_one_line(flags, named, capsys, tmp_path):
+    # A zero evaluation interval would divide by zero at the first step.
+    with pytest.raises(SystemExit) as stopped:
+        train.main(TINY + flags + ["--max_iters", "2", "--out_dir", str(tmp_path)])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(error) == 1 and named in error[0]
+
+
+def test_resume_of_a_model_without_positions_takes_another_block_size(tmp_path):
+    # Without learned positions block_size bounds nothing the model learned: not a new model.
+    flags = ["--task", "parity", "--attn", "dilated", "--share_weights", "--pos", "none",
+             "--n_embd", "16", "--n_head", "2", "--batch_size", "4", "--max_iters", "1",
+             "--eval_interval", "1", "--eval_samples", "4", "--max_train_length", "6",
+             "--max_test_length", "9", "--length_samples", "2", "--no-progress", "--device", "cpu",
+             "--out_dir", str(tmp_path)]
+    train.main(flags)
+    _, _, config, _ = train.parse_args(["--resume", "--block_size", "64", "--out_dir", str(tmp_path)])
+    assert config.block_size == 64
+
+
+def test_train_time_leaves_out_the_time_spent_evaluating(tmp_path, monkeypatch):
+    # Every evaluation "takes" 100 s on a shifted clock; none of it may count as training time.
+    shift, perf_counter, evaluate = [0.0], time.perf_counter, PointerChains.evaluate
+    def slow_evaluate(*args, **kwargs):
+        shift[0] += 100
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(train.time, "perf_counter", lambda: perf_counter() + shift[0])
+    monkeypatch.setattr(PointerChains, "evaluate", slow_evaluate)
+    run = train.main(TINY + ["--max_iters", "6", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    assert all(m["train_time"] < 100 for m in run["metrics"])
+
+
+def test_a_run_that_never_reaches_stop_at_acc_is_not_called_stopped(tmp_path):
+    # The summary says "stopped" only when the bar was reached, not whenever one was set.
+    run = train.main(TINY + ["--stop_at_acc", "1", "--max_iters", "2", "--eval_interval", "2",
+                             "--out_dir", str(tmp_path)])
+    assert run["final"]["eval_acc"] < 1 and run["final"]["step"] == 2
+    assert "stopped" not in run["line"] and "2 steps in" in run["line"]
+
+
+def test_sample_reads_a_bidirectional_model_in_one_pass(tmp_path, capsys):
+    # A bidirectional model sees the whole sequence in training: read by prefixes, its answers
+    # would come from inputs it never saw.
+    train.main(TINY + ["--bidirectional", "--attn", "standard", "--max_iters", "2",
+                       "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    capsys.readouterr()
+    sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "16 tokens read in one pass" in out and "tokens/s" not in out
