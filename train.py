@@ -232,7 +232,8 @@ def check_numbers(args):
             raise ValueError(f"--{flag} {getattr(args, flag)} must be at least {lowest}")
     for flag in ("gamma", "lr", "min_lr", "beta1", "beta2", "weight_decay", "grad_clip", "dropout"):
         value = getattr(args, flag)
-        if not math.isfinite(value) or value < 0 or (flag == "lr" and value == 0):
+        # float32's largest: a rate past it is finite in Python and infinite in the optimizer
+        if not value <= torch.finfo(torch.float32).max or value < 0 or (flag == "lr" and value == 0):
             raise ValueError(f"--{flag} {value} must be a finite number "
                              + ("above 0" if flag == "lr" else ">= 0"))
         if flag in ("dropout", "beta1", "beta2") and value >= 1:

@@ -184,6 +184,7 @@ BAD_FLAGS = [
     (["--block_size", "0"], "--block_size"),
     (["--task", "boxes", "--n_train", "0"], "--n_train"),
     (["--lr", "inf"], "--lr"),
+    (["--lr", "1e39"], "--lr"),  # finite in Python, infinite in float32
     (["--weight_decay", "nan"], "--weight_decay"),
     (["--grad_clip", "nan"], "--grad_clip"),
     (["--seed", "100000000000000000000000"], "--seed"),
