@@ -26,6 +26,17 @@ def run_script(script, *args, cwd=ROOT):
                           capture_output=True, text=True, timeout=120)
 
 
+def interrupt_the_second_evaluation(monkeypatch):
+    """PointerChains.evaluate raises KeyboardInterrupt at its second call, as a Ctrl-C would."""
+    evaluate, calls = PointerChains.evaluate, []
+    def interrupted_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(PointerChains, "evaluate", interrupted_second_time)
+
+
 def test_smoke_run_writes_metrics_and_checkpoint(tmp_path):
     summary = train.main(TINY + ["--max_iters", "6", "--eval_interval", "3", "--out_dir", str(tmp_path)])
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -62,18 +73,10 @@ def test_resume_after_an_interrupt_continues_exactly(tmp_path, monkeypatch):
                     "--max_iters", "12", "--eval_interval", "4"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     train.main(flags + ["--out_dir", str(straight)])
-    evaluate, calls = PointerChains.evaluate, []
-
-    def interrupted_second_time(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(PointerChains, "evaluate", interrupted_second_time)
+    interrupt_the_second_evaluation(monkeypatch)
     with pytest.raises(SystemExit):
         train.main(flags + ["--out_dir", str(killed)])
-    monkeypatch.setattr(PointerChains, "evaluate", evaluate)
+    monkeypatch.undo()
     assert torch.load(killed / "ckpt.pt", weights_only=False)["step"] == 4
     train.main(["--resume", "--out_dir", str(killed)])
     a = torch.load(straight / "ckpt.pt", weights_only=False)
@@ -693,13 +696,7 @@ def test_resume_replaces_a_longer_metrics_file_left_by_an_earlier_run(tmp_path, 
 
 def test_an_interrupted_fresh_run_names_the_step_its_checkpoint_holds(tmp_path, monkeypatch):
     # Ctrl-C after the checkpoint of step 2 must say it holds step 2, not that nothing was saved.
-    evaluate, calls = PointerChains.evaluate, []
-    def interrupted_second_time(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return evaluate(*args, **kwargs)
-    monkeypatch.setattr(PointerChains, "evaluate", interrupted_second_time)
+    interrupt_the_second_evaluation(monkeypatch)
     with pytest.raises(SystemExit, match="ckpt.pt holds step 2: add --resume"):
         train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)])
 
