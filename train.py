@@ -92,8 +92,9 @@ def build_parser():
     add("--weight_decay", type=float, default=0.0, help="AdamW weight decay")
     add("--grad_clip", type=float, default=1.0, help="clip the gradient norm to this; 0 disables")
     add("--max_iters", type=int, default=1000, help="training steps")
-    add("--stop_at_acc", type=float, help="stop early at the first evaluation whose test "
-        "accuracy reaches this (e.g. 1.0), taking the final evaluation there; default: never")
+    add("--stop_at_acc", type=accuracy_or_never, help="stop early at the first evaluation whose "
+        "test accuracy reaches this (e.g. 1.0), taking the final evaluation there; default: never "
+        "(type `never` to go on with a resumed run that stopped)")
     add("--mimic_iters", type=int, default=0, help="first, steps of LEGO's mimicking (heads 0, 1)")
     add = parser.add_argument_group("evaluation, output and system").add_argument
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every N steps")
@@ -117,6 +118,14 @@ def layer_count(text):
     if text != "auto" and (not text.isdigit() or int(text) < 1):
         raise argparse.ArgumentTypeError(f"{text!r} is neither a positive count nor auto")
     return text if text == "auto" else int(text)
+
+
+def accuracy_or_never(text):
+    """--stop_at_acc's value: a number, or "never", which unsets the bar a resumed run saved."""
+    try:
+        return None if text == "never" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an accuracy nor `never`") from None
 
 
 def typed_flags(parser, args, argv):
@@ -407,8 +416,9 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
     """Train to max_iters, evaluating and saving every eval_interval steps and at the end; or
     to the first evaluation that reaches --stop_at_acc."""
     last = state["metrics"][-1] if state["metrics"] else {}
-    if last.get("stopped_early") and last["eval_acc"] >= (args.stop_at_acc or 0):
-        return  # resuming a stopped run with the same --stop_at_acc: nothing is left to do
+    if (last.get("stopped_early") and args.stop_at_acc is not None
+            and last["eval_acc"] >= args.stop_at_acc):
+        return  # resuming a stopped run with a bar it has reached: nothing is left to do
     step, window = state["step"], []
     bar = tqdm(total=args.max_iters, initial=step, disable=not args.progress, dynamic_ncols=True)
     tick = time.perf_counter()
@@ -434,12 +444,13 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
         mean_loss = torch.stack(window[-10:]).mean().item()
         evaluating = step % args.eval_interval == 0 or step == args.max_iters
         # A diverged run stops here, before a checkpoint of broken weights replaces a good one.
-        if not math.isfinite(mean_loss) or evaluating and not all(
-                p.isfinite().all() for p in model.parameters()):
+        broken = (f"the training loss became {mean_loss}" if not math.isfinite(mean_loss) else
+                  "a weight became inf or nan" if evaluating and not all(
+                      p.isfinite().all() for p in model.parameters()) else None)
+        if broken:
             bar.close()
-            raise SystemExit(f"train.py: error: the training loss became {mean_loss} by step "
-                             f"{step}; the run stops, its checkpoints so far untouched. "
-                             f"Lower --lr or --grad_clip")
+            raise SystemExit(f"train.py: error: {broken} by step {step}; the run stops, its "
+                             f"checkpoints so far untouched. Lower --lr or --grad_clip")
         bar.set_postfix(loss=f"{mean_loss:.4f}")
         if evaluating:
             synchronize(args.device)
@@ -474,7 +485,8 @@ def summarize(args, config, n_params, metrics):
     final = metrics[-1]
     first_99 = next((f"at step {m['step']} ({m['train_time']:.0f} s)" for m in metrics
                      if m["eval_acc"] >= 0.99), "never")
-    stopped = f" (stopped: accuracy >= {args.stop_at_acc:.0%})" if final.get("stopped_early") else ""
+    stopped = "" if not final.get("stopped_early") else " (stopped early)" if args.stop_at_acc is None \
+        else f" (stopped: accuracy >= {args.stop_at_acc:.0%})"  # None: resumed with `never`
     line = (f"done: {args.task}, {config.describe()}, {final['step']} steps{stopped} in "
             f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); accuracy >= 99% "
             f"{first_99}; {describe_metrics(final)}; metrics in {args.out_dir}/metrics.jsonl")

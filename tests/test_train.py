@@ -197,6 +197,7 @@ BAD_FLAGS = [
     (["--out_dir", ""], "--out_dir"),
     (["--stop_at_acc", "0"], "--stop_at_acc"),
     (["--stop_at_acc", "95"], "--stop_at_acc"),
+    (["--stop_at_acc", "always"], "--stop_at_acc"),
     (["--out_dir", "x" * 300], "--out_dir"),
 ]
 
@@ -414,6 +415,23 @@ def test_stop_at_acc_ends_at_the_first_evaluation_that_reaches_it_and_stays_stop
     assert resumed["metrics"][-1]["step"] > first["step"]
 
 
+def test_a_stopped_run_goes_on_to_max_iters_when_resumed_with_stop_at_acc_never(tmp_path):
+    flags = TINY + ["--max_iters", "6", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    stopped = train.main(flags + ["--stop_at_acc", "1e-9"])  # any accuracy above 0 reaches it
+    assert stopped["final"]["stopped_early"] and stopped["final"]["step"] == 2
+    assert train.main(flags + ["--resume"])["final"]["step"] == 2  # the saved bar still holds
+    resumed = train.main(flags + ["--resume", "--stop_at_acc", "never", "--max_iters", "6"])
+    assert [m["step"] for m in resumed["metrics"]] == [2, 4, 6]
+    assert "6 steps in" in resumed["line"] and "(stopped" not in resumed["line"]
+
+
+def test_a_run_that_reaches_stop_at_acc_at_its_last_step_is_not_called_stopped_early(tmp_path):
+    run = train.main(TINY + ["--stop_at_acc", "1e-9", "--max_iters", "2", "--eval_interval", "2",
+                             "--out_dir", str(tmp_path)])
+    assert run["final"]["eval_acc"] > 0 and "stopped_early" not in run["final"]
+    assert "(stopped" not in run["line"]
+
+
 def test_regular_languages_change_the_defaults_but_never_a_typed_flag():
     args, *_ = train.parse_args(["--task", "parity", "--lr", "2e-3"])
     assert (args.n_embd, args.batch_size, args.max_iters) == (64, 64, 5000)
@@ -453,6 +471,22 @@ def test_a_diverging_run_stops_within_ten_steps_not_at_its_next_evaluation(tmp_p
     with pytest.raises(SystemExit, match="loss became nan by step 10;"):
         train.main(TINY + ["--gamma", "0.999", "--grad_clip", "0", "--lr", "1e6", "--warmup_iters", "1",
                            "--eval_interval", "100", "--max_iters", "100", "--out_dir", str(tmp_path)])
+    assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_weights_that_break_while_the_loss_is_still_finite_are_named_as_such(tmp_path, monkeypatch):
+    # The loss of a step is computed before its update, so an update that breaks a weight shows
+    # in the weights first: the message must not report a finite loss as the cause.
+    step, calls = torch.optim.AdamW.step, []
+    def breaking(optimizer, *args, **kwargs):
+        step(optimizer, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].fill_(float("inf"))
+    monkeypatch.setattr(torch.optim.AdamW, "step", breaking)
+    with pytest.raises(SystemExit, match="a weight became inf or nan by step 2;"):
+        train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
     assert not (tmp_path / "ckpt.pt").exists()
 
 
