@@ -1,15 +1,17 @@
 """
 A GPT-2 style transformer whose attention is chosen per layer (standard, ChaCAL, ...).
 
-Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP,
-as GPT-2 and nanoGPT; parameter names follow GPT-2, so GPT.from_pretrained("gpt2") loads its
-weights by name, with ChaCAL swapped in if asked (the ChaCAL paper's Section 5.3; it needs the
-optional `pip install transformers`). Post-LayerNorm blocks (the original Transformer's, BERT's
-and RegularGPT's) are one option away. The model knows nothing about tasks: it maps token ids to
-logits, and ignores targets equal to -1 in the loss. Per-token positions and attention groups
-(the inductive scratchpad, at the end of this file) are optional arguments of forward().
+Pre-LayerNorm blocks, learned absolute positions, input and output embeddings tied, GELU MLP, as
+GPT-2 and nanoGPT; parameter names follow GPT-2, so GPT.from_pretrained("gpt2") loads its weights
+by name, with ChaCAL swapped in if asked (the ChaCAL paper's Section 5.3; it needs the optional
+`pip install transformers`). Post-LayerNorm blocks (the original Transformer's and BERT's;
+RegularGPT's released code uses them) are one option away. The model knows nothing about tasks: it
+maps token ids to logits, and ignores targets equal to -1 in the loss. Per-token positions and
+attention groups (the inductive scratchpad, at the end of this file) are optional arguments of
+forward().
 
-Three options from the papers, each usable with any attention:
+Three options from the papers, each usable with any attention (but Sliding-Dilated-Attention,
+which only looks back, is never bidirectional):
 - weight sharing (ALBERT; RegularGPT): `thickness` distinct blocks, reused at every depth;
 - depth that follows the input: adaptive (RegularGPT: ⌈log_chunk T⌉ levels, so a longer input
   gets more layers) or stochastic (LEGO: drawn per training batch, fixed at test);
@@ -40,7 +42,7 @@ class GPTConfig:
     causal: bool = True     # False: every token sees every other (BERT-like, for LEGO); no decoding
     pos: str = "learned"    # "learned" absolute positions (GPT-2), or "none" (RegularGPT), which
                             # lets a model run at lengths it never saw
-    norm: str = "pre"       # "pre": x + f(LN(x)) (GPT-2); "post": LN(x + f(x)) (RegularGPT), whose
+    norm: str = "pre"       # "pre": x + f(LN(x)) (GPT-2); "post": LN(x + f(x)) (BERT), whose
                             # output has one scale at any depth, as a block reused L times needs
     share_weights: bool = False  # reuse `thickness` distinct blocks at every depth (ALBERT)
     thickness: int = 1      # K: distinct blocks when sharing; Sliding-Dilated layers per dilation
@@ -109,7 +111,7 @@ class GPTConfig:
                              "drop --bidirectional or pick another --attn")
 
     def describe(self):
-        """The model in a few words, e.g. "2 layers of standard,chacal (gamma 0.9)"."""
+        """The model in a few words: "2 layer(s) of standard,chacal (gamma 0.9), pre-LayerNorm"."""
         depth = "adaptive depth" if self.adaptive_depth else f"{self.n_layer} layer(s)"
         shared = f", {self.thickness} shared block(s)" if self.share_weights else ""
         gamma = f" (gamma {self.gamma})" if "chacal" in self.attn else ""
@@ -257,19 +259,18 @@ class GPT(nn.Module):
         return config.n_layer
 
     def can_cache(self):
-        """Whether generate() can decode against a cache: not under adaptive depth (the layer
-        count grows with the sequence), nor with LEGO attention (its maps see every token)."""
-        return (not self.config.adaptive_depth
+        """Whether generate() can decode against a cache: only a causal model (a bidirectional
+        one does not decode at all), not under adaptive depth (the layer count grows with the
+        sequence), nor with LEGO attention (its maps see every token)."""
+        return (self.config.causal and not self.config.adaptive_depth
                 and all(ATTENTIONS[name].decodes_with_cache
                         for name in self.config.attention_per_layer()))
 
     def new_caches(self):
         """One empty LayerCache per layer, to pass to forward() when decoding."""
-        if not self.config.causal:
-            raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
         if not self.can_cache():
-            raise ValueError("this model cannot decode against a cache (adaptive depth, or LEGO "
-                             "attention); decode with use_cache=False")
+            raise ValueError("this model cannot decode against a cache (bidirectional, adaptive "
+                             "depth, or LEGO attention); decode with use_cache=False")
         return [LayerCache() for _ in range(self.config.n_layer)]
 
     def forward(self, idx, targets=None, caches=None, positions=None, groups=None):
@@ -407,6 +408,10 @@ class GPT(nn.Module):
             raise ValueError("a bidirectional model (--bidirectional) does not decode left to right")
         prompts, lengths = idx, torch.as_tensor(prompt_lengths if prompt_lengths is not None
                                                 else [idx.size(1)] * idx.size(0), device=idx.device)
+        if (lengths.shape != (idx.size(0),)
+                or not 1 <= lengths.min() <= lengths.max() <= idx.size(1)):
+            raise ValueError(f"prompt_lengths {lengths.tolist()} must give each of the "
+                             f"{idx.size(0)} rows a length in 1..{idx.size(1)}, the prompts' width")
         idx = idx[:, :int(lengths.min())]
         end = int(lengths.max()) + max_new_tokens
         read = end - 1  # the model never reads the last token it writes
@@ -534,10 +539,10 @@ def copies(idx, start_id, sep_id):
     return (segment > 0) & (segment % 2 == 1)
 
 
-class Rows:
-    """Where each row of a batch being decoded stands: the group and position of its next
-    token, the length of its Q once the start token is written, its current state's tokens.
-    step() turns a row's next token into what the model must read for it."""
+class InductiveRows:
+    """Where each row of a batch decoded under the inductive scratchpad stands: the group and
+    position of its next token, the length of its Q once the start token is written, its
+    current state's tokens. step() turns a row's next token into what the model must read."""
 
     def __init__(self, batch_size, start_id, sep_id):
         self.start_id, self.sep_id = start_id, sep_id
@@ -592,7 +597,7 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
     was_training = model.training
     model.eval()
     B, device = idx.size(0), idx.device
-    rows, caches = Rows(B, start_id, sep_id), model.new_caches() if use_cache else None
+    rows, caches = InductiveRows(B, start_id, sep_id), model.new_caches() if use_cache else None
     blocks = [([], [], []) for _ in range(B)]
     for r, prompt in enumerate(idx.tolist()):  # the prompt, read as its tokens come
         for token in prompt:
@@ -620,7 +625,8 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
     model.train(was_training)
     if not return_logits:
         return idx
-    return idx, torch.stack(chosen, dim=1) if chosen else torch.empty(B, 0, model.config.vocab_size)
+    no_logits = model.lm_head.weight.new_empty(B, 0, model.config.vocab_size)  # no step was taken
+    return idx, torch.stack(chosen, dim=1) if chosen else no_logits
 
 
 def forget(caches, current_groups):

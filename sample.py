@@ -74,7 +74,7 @@ def main(argv=None):
                              f"block_size {model.config.block_size}")
     except ValueError as error:
         parser.error(str(error))
-    use_cache = not args.no_cache and model.config.causal and model.can_cache()
+    use_cache = not args.no_cache and model.can_cache()
     print(f"{run['task']}, {model.config.describe()}, step {checkpoint['step']}:")
     x = x.to(device)
     if task.generates_answer:
@@ -86,7 +86,7 @@ def main(argv=None):
         print(task.describe(out[0].cpu()))
         how = "written after the prompt, its one pass included"
     else:
-        if not model.config.causal or not model.can_cache():
+        if not model.can_cache():
             n_prompt = x.size(1)  # everything at once, each position at the depth evaluation used
         predictions, seconds = read_token_by_token(model, x, n_prompt, use_cache)
         truth, predictions, n_tokens = task.solve(x.cpu()), predictions.cpu(), x.size(1) - n_prompt

@@ -285,12 +285,21 @@ def test_without_positions_the_model_runs_past_block_size():
 
 def test_bidirectional_and_adaptive_models_refuse_to_decode_with_a_cache():
     prompt = torch.zeros(1, 4, dtype=torch.long)
+    bidirectional = small_model("standard", causal=False)
     with pytest.raises(ValueError, match="bidirectional"):
-        small_model("standard", causal=False).generate(prompt, 2)
+        bidirectional.generate(prompt, 2)
+    assert not bidirectional.can_cache()  # sample.py and evaluation read it in one pass
     adaptive = small_model("dilated", share_weights=True, adaptive_depth=True, pos="none", n_layer=1)
     with pytest.raises(ValueError, match="use_cache=False"):
         adaptive.generate(prompt, 2)
     assert adaptive.generate(prompt, 2, temperature=0, use_cache=False).shape == (1, 6)
+
+
+@pytest.mark.parametrize("lengths", [[3, 5], [0, 2], [2], [[2, 2]]])
+def test_generate_refuses_prompt_lengths_outside_its_prompts(lengths):
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        small_model("standard").generate(torch.zeros(2, 4, dtype=torch.long), 2,
+                                         prompt_lengths=lengths)
 
 
 def test_generate_decodes_in_eval_mode_and_restores_the_mode():

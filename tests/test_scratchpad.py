@@ -117,6 +117,14 @@ def test_cached_inductive_generation_equals_uncached(attn, fused):
     assert (cached[:, 7:] == SEP).sum() >= 8  # many states were closed
 
 
+def test_no_new_tokens_give_no_logits_of_the_models_dtype():
+    model = small_model("standard", True)
+    prompt = torch.tensor([[1, 2, START]])
+    out, logits = generate_inductive(model, prompt, 0, START, SEP, return_logits=True)
+    assert torch.equal(out, prompt) and logits.shape == (1, 0, model.config.vocab_size)
+    assert logits.dtype == model.lm_head.weight.dtype != torch.float32  # the tests' float64
+
+
 @pytest.mark.parametrize("attn", ["standard", "chacal"])
 def test_the_cache_keeps_the_question_and_two_states_only(attn, monkeypatch):
     model = sep_friendly(small_model(attn))
