@@ -108,8 +108,8 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 
     A mask `visible` (the inductive scratchpad's groups, see group_visibility) only removes
     entries below the diagonal, so the system stays unit lower-triangular and the same solve
-    applies: the chains then run within a group and through the question, as the groups allow. It takes the one-solve
-    path.
+    applies: the chains then run within a group and through the question, as the groups allow.
+    It takes the one-solve path.
 
     q, k, v: (B, nh, Tq, hs) for the new tokens; past_k, past_mixed: (B, nh, Tp, hs) or None.
     The solve runs in float32 even under autocast (CUDA has no half-precision triangular solve,
@@ -433,16 +433,25 @@ class ChaCALAttention(CausalSelfAttention):
         super().__init__(config)
         self.gamma = config.gamma  # GPTConfig has checked that it lies in [0, 1)
 
+    # A new token's row of ChaCAL's system is plain attention over the mixed values before it,
+    # so one token decodes with the fused kernel; an ablation whose row is not says False.
+    decodes_one_token_by_attention = True
+
+    def solve(self, q, k, v, past_k=None, past_mixed=None, visible=None):
+        """The new tokens' Y from the system, earlier tokens entering through their mixed values:
+        the one method a variant of the system overrides."""
+        return chacal_attention(q, k, v, self.gamma, past_k, past_mixed, causal=self.causal,
+                                visible=visible)
+
     def attention_map(self, q, k, token_ids, depth):
         """(1-γ)(I - γA')⁻¹A: every path's weight summed. Solving against V = I gives it."""
         eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
-        return chacal_attention(q, k, eye, self.gamma, causal=self.causal)
+        return self.solve(q, k, eye)
 
     def mix(self, q, k, v, cache, depth, groups=None):
         if cache is None:
             visible = None if groups is None else group_visibility(groups, groups)
-            return chacal_attention(q, k, v, self.gamma, causal=self.causal,
-                                    visible=visible).to(v.dtype)
+            return self.solve(q, k, v, visible=visible).to(v.dtype)
         # The cache holds keys and mixed values in the model's dtype, as any KV cache holds its
         # values: under bf16 autocast, decoding rounds the m_t that a full pass keeps in float32.
         # With groups, the new tokens see the cached ones their groups allow (key groups: the
@@ -451,15 +460,16 @@ class ChaCALAttention(CausalSelfAttention):
         if groups is not None:
             key_groups = groups if cache.groups is None else torch.cat([cache.groups, groups], 1)
             visible = group_visibility(groups, key_groups)
-        if q.size(-2) > 1:  # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
-            y = chacal_attention(q, k, v, self.gamma, cache.keys, cache.values,
-                                 visible=visible).to(v.dtype)
-            cache.append(k, (1 - self.gamma) * v + self.gamma * y, groups)
+        if q.size(-2) > 1 or not self.decodes_one_token_by_attention:
+            # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
+            y = self.solve(q, k, v, cache.keys, cache.values, visible).to(v.dtype)
+            cache.append(k, torch.lerp(v, y, self.gamma), groups)
             return y
         # One new token: its row of the system is plain attention over the cached mixed values
         # and its own (1-γ)v_t, so the fused kernel computes it, at the cost of standard decoding.
         cache.append(k, (1 - self.gamma) * v, groups)
-        y = F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=visible)
+        y = (F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=visible)
+             if self.fused else standard_attention(q, cache.keys, cache.values, False, visible))
         cache.values[..., -1:, :] += self.gamma * y  # complete m_t = (1-γ)v_t + γy_t in place
         return y
 
@@ -493,21 +503,14 @@ class ChaCALKeepDiagonal(ChaCALAttention):
     run. Lesson 01 trains it beside ChaCAL. See `chacal_keep_diagonal`."""
 
     takes_groups = False  # lesson 01's ablation, written without a masked path
+    decodes_one_token_by_attention = False  # its row divides by 1 - γA_tt: a solve even for one
 
-    def attention_map(self, q, k, token_ids, depth):
-        eye = torch.eye(k.size(-2), dtype=q.dtype, device=q.device).expand(*k.shape[:-1], -1)
-        return chacal_keep_diagonal(q, k, eye, self.gamma, causal=self.causal)
-
-    def mix(self, q, k, v, cache, depth, groups=None):
-        if cache is None:
-            return chacal_keep_diagonal(q, k, v, self.gamma, causal=self.causal).to(v.dtype)
-        y = chacal_keep_diagonal(q, k, v, self.gamma, cache.keys, cache.values).to(v.dtype)
-        cache.append(k, (1 - self.gamma) * v + self.gamma * y)
-        return y
+    def solve(self, q, k, v, past_k=None, past_mixed=None, visible=None):
+        return chacal_keep_diagonal(q, k, v, self.gamma, past_k, past_mixed, causal=self.causal)
 
 
 class SlidingDilatedAttention(CausalSelfAttention):
-    """Sliding-Dilated-Attention, the attention of RegularGPT (Chi et al. 2023, Section 4, Eq. 1).
+    """Sliding-Dilated-Attention, the attention of RegularGPT (Chi et al. 2023, Section 3.1).
 
     Layer j looks back only at the offsets {0, d, 2d, ..., (C-1)·d}, with chunk size C and
     dilation d = C^(j // K) (K = thickness, the layers per level), and adds a learned scalar
@@ -623,11 +626,11 @@ class LEGOAttention(CausalSelfAttention):
         (A_cls)_ij  = 1[u_j = [CLS]]    broadcast: every token reads what [CLS] holds
         (A_sep)_ij  = 1[u_j = [SEP]]    and likewise [SEP]
 
-    each scaled so that its rows sum to 1. Manipulation, the local pattern, is a depthwise
-    convolution of kernel 21 along the sequence. A pathway p learns only a value map W_p
-    (C -> w), and the pathways take the place of heads, sharing their channels: in v0 of every
-    head, so with P = n_maps + 1 pathways each gets w = n_embd // P channels (the convolution
-    also takes any remainder), and out has the shape of standard attention's:
+    each scaled so that its rows sum to 1. Manipulation, the local pattern, is a convolution of
+    kernel 21 along the sequence (the paper's "temporal convolution"). A pathway p learns only a
+    value map W_p (C -> w), and the pathways take the place of heads, sharing their channels: in v0
+    of every head, so with P = n_maps + 1 pathways each gets w = n_embd // P channels (the
+    convolution also takes any remainder), and out has the shape of standard attention's:
 
         head_p    = A_p · X W_p            for p in asso, cls, sep        (B, T, w) each
         head_conv = DepthwiseConv21(X W_conv)
@@ -638,6 +641,7 @@ class LEGOAttention(CausalSelfAttention):
     [SEP]; none when it is empty).
 
     Our choices, where the paper's Appendix C (the details) is missing:
+    - the convolution is depthwise (one kernel per channel), over its own value map W_conv;
     - the pathways share the channels of the heads they replace, and are concatenated and
       projected by c_proj (W_o) as ordinary heads are, rather than summed;
     - the maps are rebuilt in every layer from the same ids (the paper builds them once and
@@ -744,11 +748,15 @@ class LEGOAttentionV1(LEGOAttention):
     take the place of the other n_head - n_head // 2 and share their channels: each gets
     (n_head - n_head // 2)·hs // P, the convolution any remainder. c_proj reads n_embd
     channels, as in standard attention and v0. At n_embd 128, n_head 4 and [CLS], [SEP]: 2
-    standard heads of 32 channels and 4 pathways of 16 (v0: 4 pathways of 32).
+    standard heads of 32 channels and 4 pathways of 16 (v0: 4 pathways of 32):
+
+        head_h = softmax(q_h k_hᵀ / √hs) v_h            for h = 1 .. k,  k = n_head // 2
+        out    = concat(head_asso, head_cls, head_sep, head_conv, head_1, ..., head_k) W_o
 
     Why half: the paper's v1 replaces some of BERT's heads, and is smaller and cheaper than
-    BERT (Figure 9), but how many is in its missing Appendix C. Section 5 finds association,
-    manipulation and broadcasting in a considerable share of a pretrained BERT's heads; half,
+    BERT (Figure 9), but how many is in its missing Appendix C. Association and manipulation
+    (Section 4.2.1) and broadcasting (Section 5) make a considerable share of a pretrained
+    BERT's heads; half,
     rounded down, keeps at least one ordinary head and replaces at least one (n_head >= 2).
     Any replaced head saves: it loses its queries and keys (2·n_embd·hs weights) and its
     T x T softmax, and its channels go to pathways that learn only a value map.
@@ -762,7 +770,7 @@ class LEGOAttentionV1(LEGOAttention):
 
 
 # -----------------------------------------------------------------------------
-# LEGO's mimicking initialisation (Zhang et al. 2022, Section 4.3): before training on the task,
+# LEGO's mimicking initialisation (Zhang et al. 2022, Section 4.2.2): before training on the task,
 # pull heads 0 and 1 of every layer toward the two maps a pretrained BERT's heads show.
 
 def smoothed(maps, causal):
