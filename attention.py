@@ -463,7 +463,7 @@ class ChaCALAttention(CausalSelfAttention):
         if q.size(-2) > 1 or not self.decodes_one_token_by_attention:
             # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
             y = self.solve(q, k, v, cache.keys, cache.values, visible).to(v.dtype)
-            cache.append(k, torch.lerp(v, y, self.gamma), groups)
+            cache.append(k, (1 - self.gamma) * v + self.gamma * y, groups)  # as one token's below
             return y
         # One new token: its row of the system is plain attention over the cached mixed values
         # and its own (1-γ)v_t, so the fused kernel computes it, at the cost of standard decoding.
