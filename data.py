@@ -3,7 +3,8 @@ The tasks of nanoChaCAL, each behind the same small interface (the class Task be
 
     task = get_task("toy", n_blocks=8)
     x, y = task.sample(batch_size, generator, split="train")  # (B, T) ids; y = -1 where not scored
-    task.solve(x)                # the labels by brute force, a route independent of sample()
+    task.solve(x)                # the labels by brute force (the tests add walks by hand where
+                                 # a task's solver shares code with its sampler: cycles)
     task.chain_depth(x)          # (B, T): how many references each label needs
     task.describe(x, y, preds)   # readable lines about one sequence
     task.evaluate(model, ...)    # the task's metrics as a dict (train.py prints and logs them)
@@ -24,6 +25,7 @@ import inspect
 import itertools
 import math
 import os
+import pathlib
 import random
 import re
 
@@ -59,7 +61,8 @@ class Task:
 
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        """Loss and accuracy on n_samples fresh test sequences, overall and per chain depth.
+        """Loss and accuracy on n_samples test sequences (fresh ones, unless the task keeps a
+        fixed test set: boxes, text), overall and per chain depth.
         final: the last evaluation of a run, where a task may measure more."""
         batches = self.evaluation_batches(n_samples, batch_size, generator)
         return score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
@@ -142,7 +145,9 @@ class PointerChains(Task):
     random values in [0, vocab_size). Each later block holds a random permutation of the absolute
     positions of the block before it, so every token points at a distinct token one block back.
     The label of a token in block b is the block-0 value its chain of b pointers ends at; its
-    chain depth is b. Block 0 is not scored.
+    chain depth is b. Block 0 is not scored. (The paper asks for "the indices included in the
+    reference chain" and defines no more; the chain's end is our reading, one label per token
+    that needs every hop. Shallow models' accuracies are therefore not the paper's: lesson 01.)
 
     Worked example with 4 blocks of 2 tokens (positions 0..7, vocabulary 10):
 
@@ -230,6 +235,10 @@ class PointerChains(Task):
                 raise ValueError(f"--prompt: block {b} must point into block {b - 1}, i.e. hold "
                                  f"positions {(b - 1) * k}..{b * k - 1}; it holds {block.tolist()}")
         return x, self.prompt_length
+
+    def decode(self, ids):
+        """The tokens as numbers: values in block 0, positions after it."""
+        return " ".join(str(int(i)) for i in ids)
 
     def describe(self, x, y=None, predictions=None):
         """A few readable lines about one sequence x (T,): blocks, and answers beside the truth."""
@@ -501,11 +510,8 @@ def generate_example(rng, version="default", signatures=None, **sizes):
         if advanced:  # n_filled boxes hold one item each (paper: 4 of 8, as in Table 6)
             filled = rng.sample(range(len(letters)), sizes["n_filled"])
             counts = [int(b in filled) for b in range(len(letters))]
-        else:  # Poisson(2) items per box, redrawn if there are not enough objects, clipped to 3
-            counts = [_poisson(rng, 2) for _ in letters]
-            if sum(counts) > len(objects):
-                continue
-            counts = [min(c, MAX_ITEMS) for c in counts]
+        else:  # Poisson(2) items per box, clipped to 3 (box_sizes leaves 3 objects per box)
+            counts = [min(_poisson(rng, 2), MAX_ITEMS) for _ in letters]
         if signatures is None or tuple(counts) in signatures:
             break
     items = iter(rng.sample(objects, sum(counts)))
@@ -546,16 +552,25 @@ def signature_split(version, seed, **sizes):
 
 
 @functools.lru_cache(maxsize=4)
+def write_whole(path, write):
+    """write(a temporary path), then rename it to path: an interrupted write leaves no half file
+    under the name a later run would read."""
+    write(path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def _read_dataset(path, modified):
     # Read once per file version (keyed by its mtime, so a file written anew is read anew). It
     # holds tensors only, so nothing but tensors is unpickled.
     try:
         data = torch.load(path, weights_only=True)
-        assert data["train"].dim() == data["test"].dim() == 2
-        return data
+        well_formed = data["train"].dim() == data["test"].dim() == 2
     except Exception:
+        well_formed = False
+    if not well_formed:
         raise ValueError(f"{path} is not a boxes dataset (damaged, or from elsewhere); delete it "
-                         f"and it will be generated again") from None
+                         f"and it will be generated again")
+    return data
 
 
 def share_right(scores):
@@ -584,7 +599,7 @@ class Boxes(Task):
     version="advanced": 8 boxes A-H, 4 holding one item, 1-31 operations (log-uniform), every
     move implicit, only filled boxes described and answered: chains of up to 31 moves.
     n_boxes, n_filled, n_objects, min_ops, max_ops resize a version and keep its rules (None:
-    the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 moves is an advanced version
+    the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 operations is an advanced version
     of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14.
 
     Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
@@ -636,7 +651,10 @@ class Boxes(Task):
         s = self.sizes
         sizes = (f"{s['n_boxes']}boxes-" + (f"{s['n_filled']}filled-" if s["n_filled"] else "")
                  + f"{s['n_objects']}objects-{s['min_ops']}to{s['max_ops']}ops")
-        filename = f"boxes-{version}-{sizes}-seed{seed}-{n_train}+{n_test}.pt"
+        # The constants that shape an example, hashed into the name: edit one, get a new file.
+        rules = hashlib.sha256(repr((VOCAB, MAX_ITEMS, ADVANCED_MOVE_PROBABILITY)).encode())
+        filename = (f"boxes-{version}-{sizes}-seed{seed}-{n_train}+{n_test}-"
+                    f"{rules.hexdigest()[:8]}.pt")
         path = os.path.join(cache_dir, filename) if cache_dir else None
         if path and os.path.exists(path):
             data = _read_dataset(path, os.path.getmtime(path))
@@ -647,10 +665,9 @@ class Boxes(Task):
             longest = max(int((rows != PAD).sum(1).max()) for rows in data.values())
             block_size = -(-longest // 64) * 64  # the longest example, rounded up to 64
             data = {name: rows[:, :block_size].clone() for name, rows in data.items()}
-            if path:  # written under a temporary name first, so an interrupted run leaves no half file
+            if path:
                 os.makedirs(cache_dir, exist_ok=True)
-                torch.save(data, path + ".tmp")
-                os.replace(path + ".tmp", path)
+                write_whole(path, lambda temporary: torch.save(data, temporary))
         self.rows = data  # {split: (N, block_size) uint8 token ids}
         self.block_size = data["train"].size(1)
 
@@ -679,12 +696,17 @@ class Boxes(Task):
         y = torch.where(answer, x.roll(-1, dims=1), -1)
         return x, y
 
+    def render_answer(self, boxes):
+        """The answer this version expects for final contents `boxes`: the default names every
+        box, empty ones included; the advanced only the boxes that hold something."""
+        return render_answer(boxes, with_empty=self.version == "default")
+
     def _read(self, row):
         """(position of <sep>, answer token ids with <eos>, depth of each) from a row's prompt."""
         row = row.tolist()
         sep = row.index(SEP)
         boxes, depths = simulate(decode(row[1:sep]))
-        answer = encode(render_answer(boxes, with_empty=self.version == "default")) + [EOS]
+        answer = encode(self.render_answer(boxes)) + [EOS]
         depth = []
         for k, token in enumerate(answer):  # a clause's tokens, and <eos>, belong to its box
             if token == TOKEN_IDS["Box"]:
@@ -726,7 +748,7 @@ class Boxes(Task):
         garbled answer scores the boxes it does state.
         """
         truth, depths = simulate(decode(prompt[1:-1]))
-        expected = render_answer(truth, with_empty=self.version == "default")
+        expected = self.render_answer(truth)
         stated = parse_answer(answer_text)
         boxes = [(depths[box], stated.get(box) == items) for box, items in sorted(truth.items())
                  if items or self.version == "default"]
@@ -806,7 +828,7 @@ class Boxes(Task):
         sep = ids.index(SEP)
         truth, _ = simulate(decode(ids[1:sep]))
         lines = [f"prompt: {decode(ids[1:sep])}",
-                 f"truth : {render_answer(truth, with_empty=self.version == 'default')}"]
+                 f"truth : {self.render_answer(truth)}"]
         if predictions is not None:
             lines.append(self.predicted_answer(x, y, predictions))
         else:
@@ -1476,7 +1498,7 @@ class Cycles(Task):
                                     "1..2n-1 (n)"),
              "test_cycle_n": dict(type=int, help="cycles: n of the test split (cycle_n)"),
              "test_cycle_distance": dict(type=int, help="cycles: the test split's distance "
-                                         "(test_cycle_n)"),
+                                         "(cycle_distance; test_cycle_n if that differs)"),
              "scratchpad": dict(choices=list(SCRATCHPADS), help="cycles: the answer alone "
                                 "(none), the walk first (full, DFS), or inductive states; default none"),
              "cycle_names": dict(type=int, help="cycles: node names each graph draws its 2n "
@@ -1487,6 +1509,8 @@ class Cycles(Task):
                  test_cycle_distance=None, scratchpad="none", cycle_names=None):
         if scratchpad not in SCRATCHPADS:
             raise ValueError(f"--scratchpad {scratchpad!r}: choose none, full or inductive")
+        if test_cycle_distance is None and test_cycle_n in (None, cycle_n):
+            test_cycle_distance = cycle_distance  # the same graphs as training, unless told
         test_cycle_n = cycle_n if test_cycle_n is None else test_cycle_n
         self.sizes = {}  # split -> (n, distance)
         for split, flag, n, distance in (("train", "", cycle_n, cycle_distance),
@@ -1511,7 +1535,6 @@ class Cycles(Task):
         self.token_ids = {word: i for i, word in enumerate(self.vocab)}
         self.vocab_size = len(self.vocab)
         self.block_size = max(self._length(*size) for size in self.sizes.values())
-        self.prompt_length = self._prompt_length(self.sizes["test"][0])
 
     def _prompt_length(self, n):
         return 8 * n + 4 + (self.scratchpad == "inductive")  # 2n edges, the query, ":"
@@ -1705,7 +1728,7 @@ def python_docs_corpus(cache_dir="data_cache"):
     """Path of the default corpus: English that ships with Python, so nothing is downloaded.
     The help topics of pydoc_data (what help("assert") prints), sorted by name, then every
     docstring of 200 characters or more in the standard library's top-level modules, read from
-    their source with ast, in file order. The same Python gives the same bytes; the file is
+    their source with ast (files by name; in a file, ast.walk's breadth-first order). The same Python gives the same bytes; the file is
     written once, under a temporary name then renamed, and its size and hash printed."""
     import ast
     import platform
@@ -1726,9 +1749,7 @@ def python_docs_corpus(cache_dir="data_cache"):
                     docs.append(doc)
     corpus = "\n\n".join(docs).encode("utf-8")
     os.makedirs(cache_dir, exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        f.write(corpus)
-    os.replace(path + ".tmp", path)
+    write_whole(path, lambda temporary: pathlib.Path(temporary).write_bytes(corpus))
     print(f"text: built the default corpus {path} from Python {platform.python_version()}'s "
           f"help topics and docstrings")
     return path
@@ -1781,7 +1802,17 @@ class Text(Task):
         if os.path.getsize(path) == 0:
             raise ValueError(f"--data {path}: the file is empty")
         self.gpt2_tokens = path.endswith(".bin")
+        if self.gpt2_tokens and os.path.getsize(path) % 2:
+            raise ValueError(f"--data {path}: a .bin file holds GPT-2 token ids of 2 bytes each, "
+                             f"but this one has an odd number of bytes")
         self.ids = np.memmap(path, dtype=np.uint16 if self.gpt2_tokens else np.uint8, mode="r")
+        # A file of something else than GPT-2 ids shows ids past its vocabulary at once; the
+        # first and last million are checked, not the whole of a corpus of gigabytes.
+        ends = (self.ids[:1 << 20], self.ids[-(1 << 20):])
+        if self.gpt2_tokens and max(int(end.max()) for end in ends) >= GPT2_VOCAB:
+            raise ValueError(f"--data {path}: holds ids of {GPT2_VOCAB} or more, so it is not "
+                             f"GPT-2 token ids (uint16, as nanoGPT's prepare scripts write); "
+                             f"rename a file of bytes to another extension")
         self.vocab_size = GPT2_VOCAB if self.gpt2_tokens else 256
         self.split_at = len(self.ids) - len(self.ids) // 10  # validation: the last 10%
         n_test = len(self.ids) - self.split_at
@@ -1930,7 +1961,7 @@ def task_from_settings(settings):
 
 if __name__ == "__main__":
     task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
-    x, y = task.sample(1, torch.Generator().manual_seed(0))
+    x, y = task.sample(1, torch.Generator().manual_seed(766))  # PointerChains' worked example
     print(task.describe(x[0], y[0]))
     for scratchpad in SCRATCHPADS:  # the worked example of Cycles' docstring
         task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)

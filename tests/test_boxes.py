@@ -334,7 +334,9 @@ def test_prompt_and_answer_and_describe():
 def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
     options = dict(boxes_version="default", n_train=40, n_test=10, data_seed=1, cache_dir=str(tmp_path))
     first = get_task("boxes", **options)
-    assert [p.name for p in tmp_path.iterdir()] == ["boxes-default-7boxes-100objects-32to32ops-seed1-40+10.pt"]
+    [name] = [p.name for p in tmp_path.iterdir()]
+    assert re.fullmatch(r"boxes-default-7boxes-100objects-32to32ops-seed1-40\+10-[0-9a-f]{8}\.pt",
+                        name)  # the last part: a digest of the rules (vocabulary, constants)
 
     def no_generation(*args, **kwargs):
         raise AssertionError("generated again instead of reading the cache")
@@ -346,6 +348,9 @@ def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
         get_task("boxes", **{**options, "data_seed": 2})
     with pytest.raises(AssertionError, match="generated again"):  # nor are new sizes
         get_task("boxes", **{**options, "n_boxes": 5, "n_objects": 20})
+    monkeypatch.setattr(data, "ADVANCED_MOVE_PROBABILITY", 0.5)
+    with pytest.raises(AssertionError, match="generated again"):  # nor new rules
+        get_task("boxes", **options)
 
 
 def test_the_cache_and_the_split_follow_every_size_and_the_data_seed(tmp_path):

@@ -21,6 +21,9 @@ def test_toy_worked_example_from_the_docstring():
     task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
     x = torch.tensor([[9, 4, 1, 0, 3, 2, 4, 5]])
     assert task.solve(x).tolist() == [[-1, -1, 4, 9, 9, 4, 9, 4]]
+    drawn, labels = task.sample(1, torch.Generator().manual_seed(766))  # what `python data.py` shows
+    assert torch.equal(drawn, x) and labels.tolist() == task.solve(x).tolist()
+    assert task.decode(x[0]) == "9 4 1 0 3 2 4 5"
 
 
 def test_toy_blocks_permute_the_previous_block_positions():

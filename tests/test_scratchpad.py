@@ -317,6 +317,16 @@ def test_cycles_block_size_is_the_longest_row_of_either_split(options, scratchpa
     assert task.block_size == longest
 
 
+@pytest.mark.parametrize("options, test_size", [
+    (dict(cycle_n=5, cycle_distance=3), (5, 3)),  # the test split follows training's distance
+    (dict(cycle_n=5, cycle_distance=3, test_cycle_distance=7), (5, 7)),
+    (dict(cycle_n=3, cycle_distance=2, test_cycle_n=6), (6, 6)),  # a test n of its own: its default
+    (dict(cycle_n=4), (4, 4))])
+def test_cycles_test_split_sizes_default_to_the_training_splits(options, test_size):
+    task = get_task("cycles", **options)
+    assert task.sizes["test"] == test_size
+
+
 def test_cycles_default_names_cover_the_larger_test_graph():
     task = get_task("cycles", cycle_n=3, test_cycle_n=60)  # 120 nodes: more than 100 names
     x, _ = task.sample(2, torch.Generator().manual_seed(0), split="test")

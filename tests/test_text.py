@@ -103,6 +103,15 @@ def test_gpt2_token_files_are_read_as_uint16(tmp_path):
     assert task.solve(torch.tensor([[0x0201, 0x0403]])).tolist() == [[0x0403, 0x0505]]
 
 
+def test_a_bin_file_that_is_not_gpt2_token_ids_is_refused_naming_data(tmp_path):
+    np.full(3000, 60000, dtype=np.uint16).tofile(tmp_path / "bytes.bin")  # ids past 50,256
+    with pytest.raises(ValueError, match="--data .*not GPT-2 token ids"):
+        get_task("text", data=str(tmp_path / "bytes.bin"), context=32)
+    (tmp_path / "odd.bin").write_bytes(bytes(3001))
+    with pytest.raises(ValueError, match="--data .*odd number of bytes"):
+        get_task("text", data=str(tmp_path / "odd.bin"), context=32)
+
+
 def test_perplexity_is_exp_of_the_validation_loss(corpus):
     task = get_task("text", data=str(corpus), context=16)
     torch.manual_seed(0)
