@@ -94,10 +94,10 @@ class Task:
         return model.generate(idx, max_new_tokens, temperature=0, use_cache=use_cache,
                               stop_token=self.stop_token)
 
-
     def predicted_answer(self, x, y, predictions):
-        """"model : " and the model's tokens where y (None: the solver's) scores, read with the true
-        answer before each, and how many are right: for describe() of a task that writes answers."""
+        """The line "model : <the model's tokens where y scores>" (y None: the solver's labels),
+        each read with the true answer before it, and how many are right: for describe() of a
+        task that writes answers."""
         y = self.solve(x[None])[0] if y is None else y
         scored = y != -1
         hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
@@ -309,6 +309,7 @@ def decode(ids):
 
 
 def _the(items):
+    """{"cup", "map"} -> "the cup and the map": items as a sentence names them."""
     return " and ".join(f"the {item}" for item in sorted(items))
 
 
@@ -321,6 +322,7 @@ def render_answer(boxes, with_empty=True):
 
 
 def _items(text):
+    """The inverse of _the: "the cup and the map" -> {"cup", "map"}."""
     return {thing.removeprefix("the ") for thing in text.split(" and ")}
 
 
