@@ -485,8 +485,10 @@ def summarize(args, config, n_params, metrics):
     final = metrics[-1]
     first_99 = next((f"at step {m['step']} ({m['train_time']:.0f} s)" for m in metrics
                      if m["eval_acc"] >= 0.99), "never")
-    stopped = "" if not final.get("stopped_early") else " (stopped early)" if args.stop_at_acc is None \
-        else f" (stopped: accuracy >= {args.stop_at_acc:.0%})"  # None: resumed with `never`
+    stopped = ""
+    if final.get("stopped_early"):  # the bar may be unset since: resumed with `never`, no step left
+        bar = "" if args.stop_at_acc is None else f": accuracy >= {args.stop_at_acc:.0%}"
+        stopped = f" (stopped{bar})"
     line = (f"done: {args.task}, {config.describe()}, {final['step']} steps{stopped} in "
             f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); accuracy >= 99% "
             f"{first_99}; {describe_metrics(final)}; metrics in {args.out_dir}/metrics.jsonl")
