@@ -461,7 +461,7 @@ class ChaCALAttention(CausalSelfAttention):
             key_groups = groups if cache.groups is None else torch.cat([cache.groups, groups], 1)
             visible = group_visibility(groups, key_groups)
         if q.size(-2) > 1 or not self.decodes_one_token_by_attention:
-            # a prompt, or a block of tokens: one small triangular solve (Eq. 9)
+            # a prompt, a block of tokens, or the ablation's one token: a small solve (Eq. 9)
             y = self.solve(q, k, v, cache.keys, cache.values, visible).to(v.dtype)
             cache.append(k, (1 - self.gamma) * v + self.gamma * y, groups)  # as one token's below
             return y
@@ -753,13 +753,12 @@ class LEGOAttentionV1(LEGOAttention):
         head_h = softmax(q_h k_hᵀ / √hs) v_h            for h = 1 .. k,  k = n_head // 2
         out    = concat(head_asso, head_cls, head_sep, head_conv, head_1, ..., head_k) W_o
 
-    Why half: the paper's v1 replaces some of BERT's heads, and is smaller and cheaper than
-    BERT (Figure 9), but how many is in its missing Appendix C. Association and manipulation
-    (Section 4.2.1) and broadcasting (Section 5) make a considerable share of a pretrained
-    BERT's heads; half,
-    rounded down, keeps at least one ordinary head and replaces at least one (n_head >= 2).
-    Any replaced head saves: it loses its queries and keys (2·n_embd·hs weights) and its
-    T x T softmax, and its channels go to pathways that learn only a value map.
+    Why half: the paper's v1 replaces some of BERT's heads, and is smaller and cheaper than BERT
+    (Figure 9), but how many is in its missing Appendix C. Association and manipulation (Section
+    4.2.1) and broadcasting (Section 5) make a considerable share of a pretrained BERT's heads;
+    half, rounded down, keeps at least one ordinary head and replaces at least one (n_head >= 2).
+    Any replaced head saves: it loses its queries and keys (2·n_embd·hs weights) and its T x T
+    softmax, and its channels go to pathways that learn only a value map.
     """
 
     def kept_heads(self, n_head):
