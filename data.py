@@ -553,7 +553,6 @@ def signature_split(version, seed, **sizes):
     return set(signatures[:half]), set(signatures[half:])
 
 
-@functools.lru_cache(maxsize=4)
 def write_whole(path, write):
     """write(a temporary path), then rename it to path: an interrupted write leaves no half file
     under the name a later run would read."""
@@ -561,6 +560,7 @@ def write_whole(path, write):
     os.replace(path + ".tmp", path)
 
 
+@functools.lru_cache(maxsize=4)
 def _read_dataset(path, modified):
     # Read once per file version (keyed by its mtime, so a file written anew is read anew). It
     # holds tensors only, so nothing but tensors is unpickled.

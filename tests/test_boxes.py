@@ -343,6 +343,8 @@ def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "generate_example", no_generation)
     again = get_task("boxes", **options)
     assert torch.equal(first.rows["train"], again.rows["train"]) and len(again.rows["test"]) == 10
+    monkeypatch.setattr(torch, "load", no_generation)  # read once, then kept in memory
+    assert torch.equal(get_task("boxes", **options).rows["test"], again.rows["test"])
     assert len(list(tmp_path.iterdir())) == 1
     with pytest.raises(AssertionError, match="generated again"):  # a new seed is not cached
         get_task("boxes", **{**options, "data_seed": 2})
