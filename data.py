@@ -1730,8 +1730,9 @@ def python_docs_corpus(cache_dir="data_cache"):
     """Path of the default corpus: English that ships with Python, so nothing is downloaded.
     The help topics of pydoc_data (what help("assert") prints), sorted by name, then every
     docstring of 200 characters or more in the standard library's top-level modules, read from
-    their source with ast (files by name; in a file, ast.walk's breadth-first order). The same Python gives the same bytes; the file is
-    written once, under a temporary name then renamed, and its size and hash printed."""
+    their source with ast (files by name; in a file, ast.walk's breadth-first order). The same
+    Python gives the same bytes; the file is written once, under a temporary name then renamed,
+    and its size and hash printed."""
     import ast
     import platform
     import sysconfig
@@ -1810,8 +1811,8 @@ class Text(Task):
         self.ids = np.memmap(path, dtype=np.uint16 if self.gpt2_tokens else np.uint8, mode="r")
         # A file of something else than GPT-2 ids shows ids past its vocabulary at once; the
         # first and last million are checked, not the whole of a corpus of gigabytes.
-        ends = (self.ids[:1 << 20], self.ids[-(1 << 20):])
-        if self.gpt2_tokens and max(int(end.max()) for end in ends) >= GPT2_VOCAB:
+        if self.gpt2_tokens and max(int(self.ids[:1 << 20].max()),
+                                    int(self.ids[-(1 << 20):].max())) >= GPT2_VOCAB:
             raise ValueError(f"--data {path}: holds ids of {GPT2_VOCAB} or more, so it is not "
                              f"GPT-2 token ids (uint16, as nanoGPT's prepare scripts write); "
                              f"rename a file of bytes to another extension")
