@@ -63,6 +63,8 @@ def main(argv=None):
         except ValueError as error:  # its data moved, say: the flag is the run's, not sample.py's
             raise ValueError(f"the run in {args.out_dir} cannot rebuild its task: {error}") from None
         x, n_prompt = task.example(torch.Generator().manual_seed(args.seed), args.prompt, args.length)
+        task.decode(x[0, :1].cpu())  # a task that cannot write its tokens out (GPT-2 ids with no
+        # tokenizer) says so here, before the model runs, rather than in a traceback after it
         flag = "--prompt" if args.prompt is not None else "--length"
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
             raise ValueError(f"{flag}: {x.size(1)} tokens, and this model has learned positions "

@@ -198,20 +198,17 @@ def parse_args(argv=None):
         args.n_layer = args.n_layer or ("auto" if args.share_weights else 1)
         args.norm = args.norm or ("post" if args.n_layer == "auto" else "pre")
         check_numbers(args)
-        if args.bidirectional and task_class(args.task).generates_answer:  # before building it
-            raise ValueError(f"--bidirectional: task {args.task} is scored by generating its "
-                             f"answer, and a bidirectional model would read the answer it writes")
-        if args.n_layer == "auto" and task_class(args.task).generates_answer:
-            raise ValueError(f"--n_layer auto: task {args.task} writes its answer token by token, and "
-                             f"adaptive depth would run each written token through fewer layers "
-                             f"than training gave it; give --n_layer a number")
+        if args.resume and "init_from" in typed:
+            raise ValueError(f"--init_from: a resumed run continues from its own checkpoint in "
+                             f"{args.out_dir}; drop --init_from (or start a new --out_dir)")
+        # before building the task (boxes writes a dataset); --init_from's model is checked later
+        check_writer(args.task, causal=not args.bidirectional, adaptive=args.n_layer == "auto")
         task = task_from_settings(vars(args))
         if args.init_from:  # the model of the weights (resuming, of the run's own checkpoint)
             config, checkpoint = initial_weights(args, task, typed, checkpoint)
         else:
             config = model_config(args, task)
-        if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_layer()):
-            raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
+        check_model_for_task(args, task, config)
         if args.resume:  # (without positions, block_size bounds nothing learned)
             saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
             changed = [k for k, v in asdict(config).items() if saved[k] != v
@@ -274,10 +271,6 @@ def model_config(args, task):
                        args.bidirectional, n_layer=1 if adaptive else args.n_layer,
                        adaptive_depth=adaptive, broadcast_ids=tuple(task.broadcast_ids),
                        **{name: getattr(args, name) for name in same})
-    if args.mimic_iters and (config.n_head < 2 or not all(
-            ATTENTIONS[name].learned_maps for name in config.attention_per_layer())):
-        raise ValueError("--mimic_iters shapes the learned maps of heads 0 and 1 of each layer: it "
-                         "needs --n_head 2 or more, and an --attn whose heads learn their maps")
     with torch.device("meta"):  # counts the parameters without allocating them
         needed = 16 * GPT(config).num_params()  # bytes: weights, gradients, Adam's 2 moments
     try:
@@ -288,6 +281,33 @@ def model_config(args, task):
         raise ValueError(f"this model needs about {needed / 2**30:.1f} GiB to train, more than "
                          f"half of this machine's memory: lower --block_size, --n_embd or --n_layer")
     return config
+
+
+def check_writer(task_name, causal, adaptive, source=""):
+    """A task that writes its answer token by token needs a causal model of fixed depth."""
+    if not task_class(task_name).generates_answer:
+        return
+    if not causal:
+        raise ValueError(f"--bidirectional{source}: task {task_name} is scored by generating its "
+                         f"answer, and a bidirectional model would read the answer it writes")
+    if adaptive:
+        raise ValueError(f"--n_layer auto{source}: task {task_name} writes its answer token by "
+                         f"token, and adaptive depth would run each written token through fewer "
+                         f"layers than training gave it; give --n_layer a number")
+
+
+def check_model_for_task(args, task, config):
+    """The checks that need the model as built, whether from typed flags or taken in whole by
+    --init_from (whose model brings its own heads, direction and depth)."""
+    source = f" (the model of --init_from {args.init_from})" if args.init_from else ""
+    check_writer(args.task, config.causal, config.adaptive_depth, source)
+    if args.mimic_iters and (config.n_head < 2 or not all(
+            ATTENTIONS[name].learned_maps for name in config.attention_per_layer())):
+        raise ValueError(f"--mimic_iters{source} shapes the learned maps of heads 0 and 1 of each "
+                         f"layer: it needs --n_head 2 or more, and an --attn whose heads learn "
+                         f"their maps")
+    if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_layer()):
+        raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
 
 
 def initial_weights(args, task, typed, checkpoint=None):
@@ -315,10 +335,12 @@ def initial_weights(args, task, typed, checkpoint=None):
               **{k: v for k, v in typed.items() if k in checkpoint["config"] and k not in swap}}
     if "bidirectional" in typed:  # the flag's field in GPTConfig is its opposite
         needed["causal"] = not args.bidirectional
+    source = (f"--resume: the run in {args.out_dir}" if args.resume
+              else f"--init_from {args.init_from}")
     for name, value in needed.items():
         if getattr(config, name) != value:
-            raise ValueError(f"--init_from {args.init_from}: its model has {name} "
-                             f"{getattr(config, name)}, where this run needs {value}")
+            raise ValueError(f"{source}: its model has {name} {getattr(config, name)}, where "
+                             f"this run needs {value}")
     with torch.device("meta"):  # e.g. lego attention has weights standard attention has not
         if GPT(config).state_dict().keys() != checkpoint["model"].keys():
             raise ValueError(f"--attn {args.attn} needs weights the model of --init_from lacks")

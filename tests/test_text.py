@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import data
 import sample
 import train
 from data import Text, get_task, python_docs_corpus
@@ -184,6 +185,24 @@ def test_sample_says_when_the_runs_text_is_gone(corpus, tmp_path, capsys):
         sample.main(["--out_dir", str(tmp_path / "run"), "--device", "cpu"])
     error = capsys.readouterr().err
     assert len(error.splitlines()) == 1 and "cannot rebuild its task" in error and "moved.txt" in error
+
+
+def test_sample_of_gpt2_ids_without_a_tokenizer_fails_before_the_model_runs(tmp_path, capsys,
+                                                                            monkeypatch):
+    np.random.default_rng(0).integers(0, 50257, 2000).astype(np.uint16).tofile(tmp_path / "t.bin")
+    train.main(TINY[:4] + ["--data", str(tmp_path / "t.bin"), "--n_embd", "16", "--n_head", "2",
+                           "--context", "8", "--batch_size", "4", "--eval_samples", "8",
+                           "--max_iters", "1", "--eval_interval", "1", "--no-progress",
+                           "--device", "cpu", "--out_dir", str(tmp_path / "run")])
+    def no_tokenizer():
+        raise ValueError("text: GPT-2 tokens need GPT-2's tokenizer (offline, say)")
+    monkeypatch.setattr(data, "gpt2_tokenizer", no_tokenizer)
+    monkeypatch.setattr(GPT, "generate", lambda *args, **kwargs: pytest.fail("the model ran"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        sample.main(["--out_dir", str(tmp_path / "run"), "--device", "cpu"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "GPT-2's tokenizer" in error[0]
 
 
 def first_step(argv):

@@ -513,6 +513,52 @@ def test_init_from_a_causal_run_refuses_a_typed_bidirectional(tmp_path, capsys):
     assert len(error) == 1 and "--init_from" in error[0] and "causal True" in error[0]
 
 
+def one_error_line(capsys, argv):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        train.main(argv)
+    error = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(error) == 1 and error[0].startswith("train.py: error:")
+    return error[0]
+
+
+def test_init_from_checks_the_model_it_takes_in_against_the_task(tmp_path, capsys):
+    # --init_from brings the saved model's heads, direction and depth: the checks a typed flag
+    # gets at start apply to them too, not a traceback at the first evaluation or mimicking step.
+    toy = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "16",
+           "--batch_size", "4", "--eval_samples", "8", "--max_iters", "1", "--eval_interval", "1",
+           "--no-progress", "--device", "cpu"]  # 16 tokens, as the 9 words and 7 names below
+    room = ["--block_size", "32"]  # for the cycles rows
+    for name, flags in {"bert": ["--attn", "standard", "--n_head", "2", "--bidirectional"],
+                        "adaptive": ["--attn", "dilated", "--n_head", "2", "--share_weights",
+                                     "--pos", "none"],
+                        "one_head": ["--n_head", "1"]}.items():
+        train.main(toy + room + flags + ["--out_dir", str(tmp_path / name)])
+    cycles = toy[6:] + ["--task", "cycles", "--cycle_n", "2", "--cycle_names", "7", "--n_head",
+                        "2", "--out_dir", str(tmp_path / "next")]
+    error = one_error_line(capsys, cycles + ["--attn", "standard",
+                                             "--init_from", str(tmp_path / "bert")])
+    assert "--bidirectional (the model of --init_from" in error and "generating" in error
+    error = one_error_line(capsys, cycles + ["--attn", "dilated", "--pos", "none",
+                                             "--init_from", str(tmp_path / "adaptive")])
+    assert "--n_layer auto (the model of --init_from" in error
+    error = one_error_line(capsys, toy + ["--mimic_iters", "2", "--out_dir", str(tmp_path / "m"),
+                                          "--init_from", str(tmp_path / "one_head")])
+    assert "--mimic_iters (the model of --init_from" in error and "--n_head 2" in error
+
+
+def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
+    train.main(flags + ["--out_dir", str(tmp_path / "pre")])
+    train.main(flags + ["--init_from", str(tmp_path / "pre"), "--out_dir", str(tmp_path / "run")])
+    error = one_error_line(capsys, flags + ["--resume", "--out_dir", str(tmp_path / "run"),
+                                            "--n_embd", "16"])
+    assert f"--resume: the run in {tmp_path / 'run'}: its model has n_embd 32" in error
+    error = one_error_line(capsys, flags + ["--resume", "--out_dir", str(tmp_path / "run"),
+                                            "--init_from", str(tmp_path / "pre")])
+    assert error.startswith("train.py: error: --init_from: a resumed run continues")
+
+
 def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkeypatch):
     flags = TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     train.main(flags)
