@@ -1801,7 +1801,8 @@ class Text(Task):
             raise ValueError(f"--context {context} must be at least 1")
         path = python_docs_corpus(cache_dir) if data is None else data
         if not os.path.isfile(path):
-            raise ValueError(f"--data {path}: no such file")
+            raise ValueError(f"--data {path}: " + ("a directory; name a file in it"
+                                                    if os.path.isdir(path) else "no such file"))
         if os.path.getsize(path) == 0:
             raise ValueError(f"--data {path}: the file is empty")
         self.gpt2_tokens = path.endswith(".bin")

@@ -65,7 +65,8 @@ def main(argv=None):
         x, n_prompt = task.example(torch.Generator().manual_seed(args.seed), args.prompt, args.length)
         task.decode(x[0, :1].cpu())  # a task that cannot write its tokens out (GPT-2 ids with no
         # tokenizer) says so here, before the model runs, rather than in a traceback after it
-        flag = "--prompt" if args.prompt is not None else "--length"
+        flag = ("--prompt" if args.prompt is not None else "--length" if args.length is not None
+                else "the run's test example")
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
             raise ValueError(f"{flag}: {x.size(1)} tokens, and this model has learned positions "
                              f"up to {model.config.block_size}; a model trained with --pos none "

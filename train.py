@@ -330,9 +330,13 @@ def initial_weights(args, task, typed, checkpoint=None):
                              f"that transformers can load ({type(error).__name__})") from None
         checkpoint = {"config": asdict(gpt2.config), "model": gpt2.state_dict()}
     swap = dict(attn=args.attn, gamma=args.gamma, dropout=args.dropout)
+    if checkpoint["config"].get("pos") == "none":  # no position table: block_size bounds nothing
+        swap["block_size"] = max(task.block_size, checkpoint["config"]["block_size"])
     config = GPTConfig(**{**checkpoint["config"], **swap})
     needed = {"vocab_size": task.vocab_size, "block_size": max(task.block_size, config.block_size),
               **{k: v for k, v in typed.items() if k in checkpoint["config"] and k not in swap}}
+    if needed.get("n_layer") == "auto":  # in GPTConfig, adaptive depth is its own field
+        needed["adaptive_depth"] = needed.pop("n_layer") == "auto"
     if "bidirectional" in typed:  # the flag's field in GPTConfig is its opposite
         needed["causal"] = not args.bidirectional
     source = (f"--resume: the run in {args.out_dir}" if args.resume

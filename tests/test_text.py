@@ -108,6 +108,8 @@ def test_a_bin_file_that_is_not_gpt2_token_ids_is_refused_naming_data(tmp_path):
     np.full(3000, 60000, dtype=np.uint16).tofile(tmp_path / "bytes.bin")  # ids past 50,256
     with pytest.raises(ValueError, match="--data .*not GPT-2 token ids"):
         get_task("text", data=str(tmp_path / "bytes.bin"), context=32)
+    with pytest.raises(ValueError, match="--data .*a directory; name a file in it"):
+        get_task("text", data=str(tmp_path), context=32)
     (tmp_path / "odd.bin").write_bytes(bytes(3001))
     with pytest.raises(ValueError, match="--data .*odd number of bytes"):
         get_task("text", data=str(tmp_path / "odd.bin"), context=32)

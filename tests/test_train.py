@@ -547,6 +547,21 @@ def test_init_from_checks_the_model_it_takes_in_against_the_task(tmp_path, capsy
     assert "--mimic_iters (the model of --init_from" in error and "--n_head 2" in error
 
 
+def test_init_from_takes_adaptive_depth_and_any_length_as_typed_again(tmp_path):
+    # A model of adaptive depth and no positions is what `--share_weights --n_layer auto --pos
+    # none` asks for, whatever block_size it was saved with.
+    parity = ["--task", "parity", "--attn", "dilated", "--share_weights", "--pos", "none",
+              "--n_embd", "16", "--n_head", "2", "--batch_size", "4", "--eval_samples", "8",
+              "--max_train_length", "6", "--max_test_length", "8", "--length_samples", "2",
+              "--no-progress", "--device", "cpu"]
+    train.main(parity + ["--max_iters", "1", "--eval_interval", "1",
+                         "--out_dir", str(tmp_path / "a")])
+    _, task, config, _ = train.parse_args(parity + [
+        "--max_train_length", "12", "--max_test_length", "14",  # the last typed value counts
+        "--n_layer", "auto", "--init_from", str(tmp_path / "a"), "--out_dir", str(tmp_path / "b")])
+    assert config.adaptive_depth and config.block_size == task.block_size > 8
+
+
 def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
     train.main(flags + ["--out_dir", str(tmp_path / "pre")])
