@@ -299,7 +299,8 @@ def check_writer(task_name, causal, adaptive, source=""):
 def check_model_for_task(args, task, config):
     """The checks that need the model as built, whether from typed flags or taken in whole by
     --init_from (whose model brings its own heads, direction and depth)."""
-    source = f" (the model of --init_from {args.init_from})" if args.init_from else ""
+    source = (f" (the model of --init_from {args.init_from})" if args.init_from and not args.resume
+              else "")
     check_writer(args.task, config.causal, config.adaptive_depth, source)
     if args.mimic_iters and (config.n_head < 2 or not all(
             ATTENTIONS[name].learned_maps for name in config.attention_per_layer())):
@@ -336,7 +337,8 @@ def initial_weights(args, task, typed, checkpoint=None):
     needed = {"vocab_size": task.vocab_size, "block_size": max(task.block_size, config.block_size),
               **{k: v for k, v in typed.items() if k in checkpoint["config"] and k not in swap}}
     if needed.get("n_layer") == "auto":  # in GPTConfig, adaptive depth is its own field
-        needed["adaptive_depth"] = needed.pop("n_layer") == "auto"
+        del needed["n_layer"]
+        needed["adaptive_depth"] = True
     if "bidirectional" in typed:  # the flag's field in GPTConfig is its opposite
         needed["causal"] = not args.bidirectional
     source = (f"--resume: the run in {args.out_dir}" if args.resume
