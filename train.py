@@ -209,10 +209,12 @@ def parse_args(argv=None):
         else:
             config = model_config(args, task)
         check_model_for_task(args, task, config)
-        if args.resume:  # (without positions, block_size bounds nothing learned)
+        if args.resume:  # (without positions, block_size bounds nothing learned; without
+            # ChaCAL, gamma nothing at all)
             saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
             changed = [k for k, v in asdict(config).items() if saved[k] != v
-                       and not (k == "block_size" and config.pos == "none")]
+                       and not (k == "block_size" and config.pos == "none")
+                       and not (k == "gamma" and "chacal" not in config.attn)]
             if changed:
                 raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
                                  f"({', '.join(changed)}); drop those flags to continue it")

@@ -562,6 +562,17 @@ def test_init_from_takes_adaptive_depth_and_any_length_as_typed_again(tmp_path):
     assert config.adaptive_depth and config.block_size == task.block_size > 8
 
 
+def test_resume_takes_a_gamma_that_the_model_does_not_use(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags + ["--attn", "standard"])
+    train.main(flags + ["--resume", "--gamma", "0.5", "--max_iters", "4"])  # standard: no γ
+    train.main(TINY + ["--attn", "chacal", "--max_iters", "2", "--eval_interval", "2",
+                       "--out_dir", str(tmp_path / "chacal")])
+    error = one_error_line(capsys, TINY + ["--resume", "--gamma", "0.5", "--max_iters", "4",
+                                           "--out_dir", str(tmp_path / "chacal")])
+    assert "different model (gamma)" in error
+
+
 def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
     train.main(flags + ["--out_dir", str(tmp_path / "pre")])
