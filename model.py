@@ -114,7 +114,7 @@ class GPTConfig:
         """The model in a few words: "2 layer(s) of standard,chacal (gamma 0.9), pre-LayerNorm"."""
         depth = "adaptive depth" if self.adaptive_depth else f"{self.n_layer} layer(s)"
         shared = f", {self.thickness} shared block(s)" if self.share_weights else ""
-        gamma = f" (gamma {self.gamma})" if "chacal" in self.attn else ""
+        gamma = f" (gamma {self.gamma})" if self.uses_gamma() else ""
         return f"{depth} of {self.attn}{gamma}{shared}, {self.norm}-LayerNorm"
 
     def n_blocks(self):
@@ -125,6 +125,10 @@ class GPTConfig:
         """The attention name of each distinct block, e.g. 'standard,chacal' -> [standard, chacal]."""
         names = [name.strip() for name in self.attn.split(",")]
         return names * self.n_blocks() if len(names) == 1 else names
+
+    def uses_gamma(self):
+        """Whether γ means anything to this model: a ChaCAL layer (or its ablation) in it."""
+        return "chacal" in self.attn
 
 
 def adaptive_levels(length, chunk):

@@ -214,7 +214,7 @@ def parse_args(argv=None):
             saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
             changed = [k for k, v in asdict(config).items() if saved[k] != v
                        and not (k == "block_size" and config.pos == "none")
-                       and not (k == "gamma" and "chacal" not in config.attn)]
+                       and not (k == "gamma" and not config.uses_gamma())]
             if changed:
                 raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
                                  f"({', '.join(changed)}); drop those flags to continue it")
