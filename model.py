@@ -176,6 +176,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _load_gpt2(transformers, name):
+    """transformers' GPT2LMHeadModel `name`: from its cache, else downloaded. Offline and not
+    cached, an OSError at once; transformers itself would retry the download for half a minute."""
+    try:
+        return transformers.GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
+    except OSError:
+        pass
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+    hub = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((hub.hostname, hub.port or 443), timeout=5).close()
+    except OSError as error:
+        raise OSError(f"{name} is not in transformers' cache and {hub.hostname} cannot be "
+                      f"reached to download it ({error})") from None
+    return transformers.GPT2LMHeadModel.from_pretrained(name)
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -335,7 +355,7 @@ class GPT(nn.Module):
             raise ImportError("GPT.from_pretrained needs transformers: pip install transformers"
                               ) from None
         if isinstance(model, str):
-            model = transformers.GPT2LMHeadModel.from_pretrained(model)
+            model = _load_gpt2(transformers, model)
         if not isinstance(model, transformers.GPT2LMHeadModel):
             raise TypeError(f"GPT.from_pretrained: expected a model name or a GPT2LMHeadModel, "
                             f"got {type(model).__name__}")

@@ -329,8 +329,9 @@ def initial_weights(args, task, typed, checkpoint=None):
         try:
             gpt2 = GPT.from_pretrained(args.init_from)
         except (ImportError, OSError) as error:
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise ValueError(f"--init_from {args.init_from}: not a run directory, nor a GPT-2 "
-                             f"that transformers can load ({type(error).__name__})") from None
+                             f"that transformers can load ({reason})") from None
         checkpoint = {"config": asdict(gpt2.config), "model": gpt2.state_dict()}
     swap = dict(attn=args.attn, gamma=args.gamma, dropout=args.dropout)
     if checkpoint["config"].get("pos") == "none":  # no position table: block_size bounds nothing

@@ -104,3 +104,32 @@ def test_without_transformers_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import now fails
     with pytest.raises(ImportError, match=r"^[^\n]*pip install transformers$"):
         GPT.from_pretrained("gpt2")
+
+
+def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch, tmp_path):
+    tries = []
+
+    def from_pretrained(name, local_files_only=False):
+        tries.append(local_files_only)
+        raise OSError(f"{name} not found")  # transformers' answer when the cache lacks it
+
+    def unreachable(address, timeout):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr("socket.create_connection", unreachable)
+    with pytest.raises(OSError, match=r"^gpt2 is not in transformers' cache and \S+ cannot be reached"):
+        GPT.from_pretrained("gpt2")
+    assert tries == [True]  # the download, which retries for half a minute, was never tried
+
+
+def test_a_cached_name_is_read_without_the_network(monkeypatch):
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=VOCAB)
+    built, tries = transformers.GPT2LMHeadModel(config), []
+
+    def from_pretrained(name, local_files_only=False):
+        tries.append(local_files_only)
+        return built
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", from_pretrained)
+    assert GPT.from_pretrained("gpt2").config.n_embd == 32 and tries == [True]

@@ -3,6 +3,7 @@
 
 import math
 import random
+import types
 
 import numpy as np
 import pytest
@@ -261,3 +262,22 @@ def test_init_from_a_gpt2_swaps_chacal_in(tmp_path):
     chacal = first_step(flags + ["--attn", "chacal", "--gamma", "0", "--out_dir", str(tmp_path / "c")])
     assert chacal == pytest.approx(standard, abs=1e-5)
     assert abs(standard - math.log(50257)) < 0.5  # a random GPT-2: about uniform
+
+
+def test_init_from_a_gpt2_that_cannot_be_loaded_says_why_in_one_line(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+
+    def offline(name, local_files_only=False):
+        raise OSError(f"We couldn't connect to load {name}.\nCheck your connection.")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", offline)
+    reachable = types.SimpleNamespace(close=lambda: None)  # a connected socket, as far as we need
+    monkeypatch.setattr("socket.create_connection", lambda address, timeout: reachable)
+    np.zeros(1000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(TINY[:1] + ["text", "--data", str(tmp_path / "t.bin"), "--context", "16",
+                               "--init_from", "gpt2", "--out_dir", str(tmp_path / "o")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == ["train.py: error: --init_from gpt2: not a run directory, nor a GPT-2 that "
+                     "transformers can load (We couldn't connect to load gpt2.)"], error
