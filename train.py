@@ -209,15 +209,8 @@ def parse_args(argv=None):
         else:
             config = model_config(args, task)
         check_model_for_task(args, task, config)
-        if args.resume:  # (without positions, block_size bounds nothing learned; without
-            # ChaCAL, gamma nothing at all)
-            saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
-            changed = [k for k, v in asdict(config).items() if saved[k] != v
-                       and not (k == "block_size" and config.pos == "none")
-                       and not (k == "gamma" and not config.uses_gamma())]
-            if changed:
-                raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
-                                 f"({', '.join(changed)}); drop those flags to continue it")
+        if args.resume:
+            check_same_model(args, typed, task, config, checkpoint)
         args.device = pick_device(args.device)
     except ValueError as error:
         parser.error(str(error))
@@ -311,6 +304,33 @@ def check_model_for_task(args, task, config):
                          f"their maps")
     if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_layer()):
         raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
+
+
+# GPTConfig fields set by a flag of another name
+FIELD_FLAGS = {"adaptive_depth": "n_layer", "causal": "bidirectional"}
+
+
+def check_same_model(args, typed, task, config, checkpoint):
+    """--resume: a ValueError naming the typed flags that would change the saved model. Without
+    positions, block_size bounds nothing learned; without ChaCAL, gamma changes nothing."""
+    saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
+    changed = [k for k, v in asdict(config).items() if saved[k] != v
+               and not (k == "block_size" and config.pos == "none")
+               and not (k == "gamma" and not config.uses_gamma())]
+    # The flags behind the fields; where typed flags explain them, only those (--n_layer auto
+    # also changes the norm it implies; a task's flags, its vocabulary or length).
+    task_typed = [f for f in task_class(args.task).flags
+                  if f in typed and typed[f] != checkpoint["args"].get(f)]
+    flags = []
+    for field in changed:
+        sized_by_task = field in ("vocab_size", "block_size") and task_typed
+        behind = task_typed if sized_by_task else [FIELD_FLAGS.get(field, field)]
+        flags += [f for f in behind if f not in flags]
+    flags = [f for f in flags if f in typed] or flags
+    if changed:
+        raise ValueError(f"--resume: the run in {args.out_dir} has a different model "
+                         f"({', '.join('--' * (f in typed) + f for f in flags)}); drop those "
+                         f"flags to continue it")
 
 
 def initial_weights(args, task, typed, checkpoint=None):

@@ -570,8 +570,21 @@ def test_resume_takes_a_gamma_that_the_model_does_not_use(tmp_path, capsys):
                        "--out_dir", str(tmp_path / "chacal")])
     error = one_error_line(capsys, TINY + ["--resume", "--gamma", "0.5", "--max_iters", "4",
                                            "--out_dir", str(tmp_path / "chacal")])
-    assert "different model (gamma)" in error
+    assert "different model (--gamma)" in error
 
+
+
+@pytest.mark.parametrize("typed, named", [
+    (["--n_layer", "auto"], "(--n_layer)"),           # not the norm and adaptive depth it implies
+    (["--n_layer", "auto", "--norm", "post"], "(--n_layer, --norm)"),
+    (["--n_blocks", "5"], "(--n_blocks)"),            # the task's flag, not block_size
+])
+def test_resume_names_the_typed_flags_that_change_the_model(tmp_path, capsys, typed, named):
+    flags = TINY + ["--attn", "standard", "--share_weights", "--n_layer", "2", "--max_iters", "2",
+                    "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    error = one_error_line(capsys, TINY + ["--resume", "--out_dir", str(tmp_path)] + typed)
+    assert f"has a different model {named}; drop those flags" in error
 
 def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
