@@ -16,6 +16,7 @@ The cache changes only the speed. A bidirectional model, or one that cannot keep
 under adaptive depth a shorter prefix would run through fewer layers.
 """
 
+import os
 import time
 
 import torch
@@ -41,7 +42,8 @@ def read_token_by_token(model, x, n_prompt, use_cache=True):
 
 def main(argv=None):
     parser = OneLineErrors(prog="sample.py", description=__doc__.split("\n\n")[0].strip())
-    parser.add_argument("--out_dir", default="out", help="the run whose ckpt.pt to load")
+    parser.add_argument("--out_dir", default="out", type=os.path.expanduser,
+                        help="the run whose ckpt.pt to load")
     parser.add_argument("--prompt", default=None, help="your own input, in the words of the "
                         "task's docstring (toy: token ids); default: a fresh test example")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh example")

@@ -17,8 +17,10 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 
@@ -54,7 +56,7 @@ def build_parser():
     add("--attn", default="chacal", help="attention of every layer (" + ", ".join(ATTENTIONS)
         + "), or one per layer: standard,chacal")
     add("--gamma", type=float, default=0.9, help="ChaCAL's γ in [0, 1); 0 is standard attention "
-        "(other attentions ignore it, so one set of flags can serve a sweep over --attn)")
+        "(other attentions ignore its value, so one set of flags can serve a sweep over --attn)")
     add("--chunk", type=int, default=2, help="dilated: chunk size C; the base of --n_layer auto")
     add = parser.add_argument_group("model shape").add_argument
     add("--n_layer", type=layer_count, default=None, help="layers run per input, or auto: "
@@ -100,15 +102,15 @@ def build_parser():
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every N steps")
     add("--eval_samples", type=int, default=1024, help="test sequences per evaluation (a task "
         "that writes answers: the prompts it answers)")
-    add("--out_dir", default="out", help="where ckpt.pt and metrics.jsonl go; a fresh run "
+    add("--out_dir", default="out", type=os.path.expanduser, help="where ckpt.pt and metrics.jsonl go; a fresh run "
         "replaces an earlier one there only when it saves its first checkpoint")
     add("--resume", action="store_true", help="continue the run in out_dir; typed flags override")
-    add("--init_from", help="start a fresh run from trained weights: a run directory of ours, or a "
+    add("--init_from", type=os.path.expanduser, help="start a fresh run from trained weights: a run directory of ours, or a "
         "GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this --attn, --gamma, --dropout")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, mps, cpu")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="autocast dtype; auto: bfloat16 on GPUs that support it")
+        help="autocast dtype; auto: bfloat16 on CUDA GPUs that support it")
     add("--seed", type=int, default=1337, help="seeds the model's init and the data stream")
     return parser
 
@@ -201,8 +203,15 @@ def parse_args(argv=None):
         if args.resume and "init_from" in typed:
             raise ValueError(f"--init_from: a resumed run continues from its own checkpoint in "
                              f"{args.out_dir}; drop --init_from (or start a new --out_dir)")
-        # before building the task (boxes writes a dataset); --init_from's model is checked later
-        check_writer(args.task, causal=not args.bidirectional, adaptive=args.n_layer == "auto")
+        for flag, why in [("seed", "continues the random streams its checkpoint saved"),
+                          ("mimic_iters", "mimicked, if at all, before its first step")]:
+            if args.resume and flag in typed and typed[flag] != checkpoint["args"].get(flag):
+                raise ValueError(f"--{flag}: the run in {args.out_dir} {why}; drop --{flag} "
+                                 f"(or start a new --out_dir)")
+        # before building the task (boxes writes a dataset); --init_from's model, whose depth is
+        # its own, is checked later
+        check_writer(args.task, causal=not args.bidirectional,
+                     adaptive=args.n_layer == "auto" and not args.init_from)
         task = task_from_settings(vars(args))
         if args.init_from:  # the model of the weights (resuming, of the run's own checkpoint)
             config, checkpoint = initial_weights(args, task, typed, checkpoint)
@@ -371,8 +380,13 @@ def initial_weights(args, task, typed, checkpoint=None):
             raise ValueError(f"{source}: its model has {name} {getattr(config, name)}, where "
                              f"this run needs {value}")
     with torch.device("meta"):  # e.g. lego attention has weights standard attention has not
-        if GPT(config).state_dict().keys() != checkpoint["model"].keys():
-            raise ValueError(f"--attn {args.attn} needs weights the model of --init_from lacks")
+        ours = GPT(config).state_dict().keys()
+    lacking, unplaced = sorted(ours - checkpoint["model"].keys()), sorted(checkpoint["model"].keys() - ours)
+    if lacking or unplaced:
+        what = (f"needs weights that model lacks ({lacking[0]}, ...)" if lacking
+                else f"has no place for weights of that model ({unplaced[0]}, ...)")
+        raise ValueError(f"--attn {args.attn} {what}; the model of {source} has --attn "
+                         f"{checkpoint['config']['attn']}")
     return config, checkpoint
 
 
@@ -385,7 +399,8 @@ def load_checkpoint(out_dir, flag="--resume", needs=("optimizer", "metrics", "rn
                          f"{'--out_dir' if flag == '--resume' else flag} at one")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        assert {"model", "config", "args", "step", *needs} <= checkpoint.keys()
+        if not {"model", "config", "args", "step", *needs} <= checkpoint.keys():
+            raise KeyError("a part is missing")
     except Exception:
         raise ValueError(f"{flag}: {path} is not a checkpoint of this train.py (damaged, or "
                          f"from elsewhere); delete it and start the run again") from None
@@ -411,6 +426,23 @@ def save_checkpoint(out_dir, model, optimizer, args, step, train_time, rngs, met
     path = os.path.join(out_dir, "ckpt.pt")
     torch.save(checkpoint, path + ".tmp")
     os.replace(path + ".tmp", path)  # a kill during the save leaves the old checkpoint whole
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """A Ctrl-C inside the block raises KeyboardInterrupt at its end, not midway. (Outside the
+    main thread, where Python delivers no signals, the block runs as it is.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def write_metrics(out_dir, metrics):
@@ -443,12 +475,6 @@ def set_up(args, config, checkpoint):
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
         state.update(step=checkpoint["step"], train_time=checkpoint["train_time"],
                      metrics=list(checkpoint["metrics"]))
-        path, lines = os.path.join(args.out_dir, "metrics.jsonl"), 0
-        if os.path.exists(path):
-            with open(path) as f:
-                lines = sum(1 for _ in f)
-        if lines != len(state["metrics"]):  # an interrupt came between ckpt.pt and this file
-            write_metrics(args.out_dir, state["metrics"])
     elif os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
         print(f"{args.out_dir} holds an earlier run, which this run replaces at its first "
               f"checkpoint (step {min(args.eval_interval, args.max_iters)}); --resume continues it")
@@ -520,9 +546,11 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
                 record.update({k: v for k, v in extra.items() if k not in record}, stopped_early=True)
                 final = True
             metrics = state["metrics"] + [record]
-            save_checkpoint(args.out_dir, model, optimizer, args, step, state["train_time"], rngs, metrics)
-            state["metrics"] = metrics  # now in ckpt.pt: the last step an interrupt can name
-            write_metrics(args.out_dir, metrics)
+            with interrupts_deferred():  # what an interrupt names is what ckpt.pt holds
+                save_checkpoint(args.out_dir, model, optimizer, args, step, state["train_time"],
+                                rngs, metrics)
+                state["metrics"] = metrics
+                write_metrics(args.out_dir, metrics)
             window = []
             bar.write(f"step {step}: {describe_metrics(record)}")
             if final:
@@ -538,7 +566,7 @@ def summarize(args, config, n_params, metrics):
                      if m["eval_acc"] >= 0.99), "never")
     stopped = ""
     if final.get("stopped_early"):  # the bar may be unset since: resumed with `never`, no step left
-        bar = "" if args.stop_at_acc is None else f": accuracy >= {args.stop_at_acc:.0%}"
+        bar = "" if args.stop_at_acc is None else f": accuracy >= {100 * args.stop_at_acc:g}%"
         stopped = f" (stopped{bar})"
     line = (f"done: {args.task}, {config.describe()}, {final['step']} steps{stopped} in "
             f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); accuracy >= 99% "
@@ -556,6 +584,8 @@ def main(argv=None):
     print(f"{args.task}: {config.describe()}, {model.num_params() / 1e6:.2f}M parameters, "
           f"{args.device} {args.dtype}{resuming}")
     try:
+        if args.resume:  # ckpt.pt's metrics, in case a kill came between it and metrics.jsonl
+            write_metrics(args.out_dir, state["metrics"])
         if args.mimic_iters and state["step"] == 0:  # LEGO's, on unlabelled sequences of the task
             batches = (task.sample(args.batch_size, rngs[0])[0].to(args.device) for _ in
                        tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress))

@@ -419,6 +419,7 @@ def test_a_stopped_run_goes_on_to_max_iters_when_resumed_with_stop_at_acc_never(
     flags = TINY + ["--max_iters", "6", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     stopped = train.main(flags + ["--stop_at_acc", "1e-9"])  # any accuracy above 0 reaches it
     assert stopped["final"]["stopped_early"] and stopped["final"]["step"] == 2
+    assert "(stopped: accuracy >= 1e-07%)" in stopped["line"]  # the bar as typed, not "0%"
     assert train.main(flags + ["--resume"])["final"]["step"] == 2  # the saved bar still holds
     resumed = train.main(flags + ["--resume", "--stop_at_acc", "never", "--max_iters", "6"])
     assert [m["step"] for m in resumed["metrics"]] == [2, 4, 6]
@@ -585,6 +586,71 @@ def test_resume_names_the_typed_flags_that_change_the_model(tmp_path, capsys, ty
     train.main(flags)
     error = one_error_line(capsys, TINY + ["--resume", "--out_dir", str(tmp_path)] + typed)
     assert f"has a different model {named}; drop those flags" in error
+
+
+def test_resume_refuses_a_new_seed_or_mimicking_it_could_not_apply(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    assert train.main(flags + ["--resume", "--seed", "1337", "--max_iters", "4"])["final"]["step"] == 4
+    for typed in (["--seed", "5"], ["--mimic_iters", "3"]):
+        error = one_error_line(capsys, flags + ["--resume", "--max_iters", "6"] + typed)
+        assert error.startswith(f"train.py: error: {typed[0]}: the run in {tmp_path}"), error
+
+
+@pytest.mark.parametrize("source, target, what", [
+    ("dilated", "chacal", "has no place for weights of that model"),
+    ("chacal", "dilated", "needs weights that model lacks"),
+])
+def test_init_from_says_which_weights_do_not_fit_and_the_source_attn(tmp_path, capsys, source, target, what):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
+    train.main(flags + ["--attn", source, "--out_dir", str(tmp_path / "source")])
+    error = one_error_line(capsys, flags + ["--attn", target, "--init_from", str(tmp_path / "source"),
+                                            "--out_dir", str(tmp_path / "target")])
+    assert f"--attn {target} {what} (" in error and error.endswith(f"has --attn {source}"), error
+
+
+def test_init_from_a_shared_model_of_fixed_depth_for_a_task_that_writes(tmp_path):
+    cycles = ["--task", "cycles", "--cycle_n", "2", "--attn", "standard", "--n_embd", "16",
+              "--n_head", "2", "--batch_size", "4", "--eval_samples", "4", "--no-progress",
+              "--device", "cpu", "--max_iters", "1", "--eval_interval", "1"]
+    train.main(cycles + ["--share_weights", "--n_layer", "2", "--out_dir", str(tmp_path / "a")])
+    # --share_weights alone would mean --n_layer auto for a fresh model; this one has depth 2
+    _, _, config, _ = train.parse_args(cycles + ["--share_weights", "--init_from", str(tmp_path / "a"),
+                                                 "--out_dir", str(tmp_path / "b")])
+    assert config.n_layer == 2 and config.share_weights and not config.adaptive_depth
+
+
+def test_out_dir_and_init_from_expand_a_leading_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    flags = TINY + ["--max_iters", "1", "--eval_interval", "1"]
+    train.main(flags + ["--out_dir", "~/a"])
+    assert (tmp_path / "a" / "ckpt.pt").exists()
+    args, *_ = train.parse_args(flags + ["--init_from", "~/a", "--out_dir", "~/b"])
+    assert args.init_from == str(tmp_path / "a") and args.out_dir == str(tmp_path / "b")
+
+
+def test_a_ctrl_c_while_a_checkpoint_is_saved_takes_effect_after_it(tmp_path, monkeypatch):
+    save = torch.save
+
+    def save_then_ctrl_c(checkpoint, path):
+        save(checkpoint, path)
+        os.kill(os.getpid(), signal.SIGINT)  # as a Ctrl-C would, before ckpt.pt is replaced
+
+    monkeypatch.setattr(train.torch, "save", save_then_ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    assert f"{tmp_path}/ckpt.pt holds step 2" in str(stopped.value)
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 2
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_resume_rewrites_metrics_jsonl_from_the_checkpoint(tmp_path):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    saved = train.main(flags)["metrics"]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "left by": "an earlier run"}\n')  # as many lines
+    train.main(flags + ["--resume"])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == saved
 
 def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
