@@ -34,9 +34,11 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 DEVICE_NAME = (torch.cuda.get_device_name() if DEVICE == "cuda" else "mps (Apple GPU)"
                if DEVICE == "mps" else f"cpu ({CORES} cores)")
 # Where runs go: out/ at the cpu scale (the committed lessons' runs), out/gpu and out/smoke at the
-# others, so that no scale ever takes another's saved runs for its own.
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
-                   *([SCALE] if SCALE != "cpu" else []))
+# others, so that no scale ever takes another's saved runs for its own. Relative to the working
+# directory (../out from lessons/), so that flags written as one string and split on spaces stay
+# whole in a clone whose path has a space.
+OUT = os.path.relpath(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   "out", *([SCALE] if SCALE != "cpu" else [])))
 
 
 # The paper's toy task (16 blocks of 8: chains of 15 hops), trained with one set of flags for every

@@ -6,6 +6,7 @@ import glob
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,3 +248,19 @@ def test_a_saved_run_is_reused_whatever_its_progress_bar_place_or_newer_flags(tm
     del checkpoint["args"]["weight_init"]  # as a run saved before the flag existed
     torch.save(checkpoint, path)
     assert common.reuse_if_saved(flags + ["--out_dir", str(tmp_path / "moved")])[-1] == "--resume"
+
+
+def test_run_flags_stay_whole_in_a_clone_whose_path_has_a_space(tmp_path):
+    clone = tmp_path / "my lessons"  # a copy: a link would be resolved by the working directory
+    (clone / "lessons").mkdir(parents=True)
+    root = os.path.dirname(LESSONS)
+    for name in ("attention.py", "data.py", "model.py", "train.py", "lessons/common.py"):
+        shutil.copy(os.path.join(root, name), clone / name)
+    script = ("import common, train; flags = common.toy_table_flags('chacal', 1, 0); "
+              "print(train.build_parser().parse_args(flags).out_dir)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=clone / "lessons", capture_output=True,
+                            text=True, env={**os.environ, "NANOCHACAL_SCALE": "smoke",
+                                            "PYTHONPATH": str(clone)})
+    assert result.returncode == 0, result.stderr
+    assert os.path.realpath(clone / "lessons" / result.stdout.strip()) == str(
+        clone / "out" / "smoke" / "toy" / "chacal_L1_seed0")
