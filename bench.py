@@ -263,7 +263,7 @@ def times(a, b):
     return f"{a / b:.2f}x" if b else "-"
 
 
-def short_sequences(tokens, size, dtype, device, repeats):
+def short_sequences(lengths, tokens, size, dtype, device, repeats):
     """Table 6b: where chacal_attention's automatic choice switches paths (CHACAL_BLOCKED_FROM),
     and that it never costs more than the one-solve path: forward + backward at the model's
     batch of `tokens` tokens."""
@@ -274,7 +274,7 @@ def short_sequences(tokens, size, dtype, device, repeats):
           f"batch, fastest of {repeats} runs in turns ({switch})")
     print(f"{'T':>6} {'one-solve ms':>13} {'blocked ms':>11} {'auto ms':>9} {'auto/one-solve':>15}")
     worst = 0.0
-    for T in [32, 64, 128, 192, 256, 512]:
+    for T in lengths:
         shape = (max(1, tokens // T), n_head, T, head_size)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         one_solve, blocked, auto = (seconds[0] for seconds, _ in in_turns(
@@ -301,7 +301,22 @@ def target(what, measured, relation, goal, judged_here=True):
     print(f"   target: {what} {relation} {goal}: measured {measured:.2f}, {verdict}")
 
 
-def main():
+# What each table measures at: "full" (a CUDA GPU; the ChaCAL paper's toy size, d 512, 8 heads,
+# batch 128 x 128 tokens, and longer) and "small" (train.py's laptop default, d 128). T: lengths
+# of tables 1-2; decode_T, decode_batch: table 3; lego_T: table 4; dilated_T: table 5 (40 and
+# 500, parity's training and longest test lengths); long_T, short_T: tables 6 and 6b.
+SIZES = {
+    "full": dict(T=[128, 512, 1024, 2048, 4096], tokens=128 * 128, size=dict(n_embd=512, n_head=8),
+                 decode_T=[128, 512, 1024, 2048], decode_batch=8, lego_T=512,
+                 dilated_T=[40, 500, 2048], long_T=[512, 1024, 2048, 4096, 8192],
+                 short_T=[32, 64, 128, 192, 256, 512]),
+    "small": dict(T=[128, 256, 512], tokens=64 * 128, size=dict(n_embd=128, n_head=4),
+                  decode_T=[128, 256], decode_batch=4, lego_T=128, dilated_T=[40, 500],
+                  long_T=[512, 1024, 2048, 4096, 8192], short_T=[32, 64, 128, 192, 256, 512]),
+}
+
+
+def main(argv=None):
     parser = OneLineErrors(prog="bench.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
@@ -310,7 +325,7 @@ def main():
     parser.add_argument("--long_only", action="store_true",
                         help="only tables 6 and 6b: long sequences (fused, one-solve and blocked "
                         "ChaCAL), then ChaCAL's automatic path at short ones")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be at least 1")
     try:
@@ -318,24 +333,18 @@ def main():
     except ValueError as error:
         parser.error(str(error))
     full = device == "cuda" and not args.small
-    if full:  # the paper's toy size (d 512, 8 heads, batch 128 x 128 tokens) and longer
-        lengths, tokens, size = [128, 512, 1024, 2048, 4096], 128 * 128, dict(n_embd=512, n_head=8)
-        decode_lengths, decode_batch = [128, 512, 1024, 2048], 8
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    else:  # the laptop default of train.py
-        lengths, tokens, size = [128, 256, 512], 64 * 128, dict(n_embd=128, n_head=4)
-        decode_lengths, decode_batch = [128, 256], 4
-        dtype = torch.float32
+    sizes = SIZES["full" if full else "small"]
+    lengths, tokens, size = sizes["T"], sizes["tokens"], sizes["size"]
+    dtype = torch.bfloat16 if full and torch.cuda.is_bf16_supported() else torch.float32
     head_size = size["n_embd"] // size["n_head"]
     name = (torch.cuda.get_device_name() if device == "cuda" else
             f"{device}, {torch.get_num_threads()} threads" if device == "cpu" else device)
     print(f"device {name}, torch {torch.__version__}, {str(dtype).split('.')[-1]}, "
           f"d {size['n_embd']}, {size['n_head']} heads, {tokens} tokens per batch, "
-          f"median of {args.repeats} runs (decoding: {DECODE_REPEATS})")
-    long_lengths = [512, 1024, 2048, 4096, 8192]
+          f"median of {args.repeats} runs (decoding: {DECODE_REPEATS}; tables 6 and 6b: fastest)")
     if args.long_only:
-        long_sequences(long_lengths, size, dtype, device, args.repeats)
-        short_sequences(tokens, size, dtype, device, args.repeats)
+        long_sequences(sizes["long_T"], size, dtype, device, args.repeats)
+        short_sequences(sizes["short_T"], tokens, size, dtype, device, args.repeats)
         return
 
     def row(T, std, cha):
@@ -345,7 +354,8 @@ def main():
         return f"{T:>6} {t_std * 1e3:>10.2f} {t_cha * 1e3:>10.2f} {t_cha / t_std:>7.2f}x" + memory
 
     header = f"{'T':>6} {'std ms':>10} {'chacal ms':>10} {'ratio':>8} {'std MiB':>10} {'cha MiB':>10} {'ratio':>8}"
-    print("\n1. attention core, forward + backward (standard = fused SDPA; ChaCAL's automatic path, in fp32)")
+    print(f"\n1. attention core, forward + backward (standard = fused SDPA in {str(dtype).split('.')[-1]}; "
+          f"ChaCAL's automatic path, in fp32)")
     print(header)
     for T in lengths:
         print(row(T, *bench_core(T, tokens, size["n_head"], head_size, dtype, device, args.repeats)))
@@ -357,22 +367,24 @@ def main():
                                       for attn in ["standard", "chacal"]], device, args.repeats)
         print(row(T, std, cha))
         step_ratios.append(cha[0] / std[0])
-    target("ChaCAL training step / standard step at T = 128, the toy size"  # lengths[0] is 128
+    target(f"ChaCAL training step / standard step at T = {lengths[0]}, the toy size"
            + ("" if full else " (a GPU target, at d 512 in bf16)"), step_ratios[0], "<=", 1.35,
            judged_here=full)
+    decode_batch = sizes["decode_batch"]
     print(f"\n3. decoding, tokens/s at batch {decode_batch} (one layer, after a 1-token prompt)")
     print(f"{'T':>6} {'std cache':>12} {'chacal cache':>13} {'ratio':>7} {'chacal re-solve':>16} {'ratio':>7}")
     decode_ratios = []
-    for T in decode_lengths:
+    for T in sizes["decode_T"]:
         std, cha, resolve = bench_decode([("standard", True), ("chacal", True), ("chacal", False)],
                                          T, decode_batch, size, dtype, device)
         print(f"{T:>6} {std:>12.0f} {cha:>13.0f} {cha / std:>6.2f}x {resolve:>16.0f} {resolve / std:>6.2f}x")
         decode_ratios.append(cha / std)
     target("ChaCAL cached decoding tokens/s / standard (worst length)", min(decode_ratios), ">=", 0.9)
 
-    lego_T = 512 if full else 128
+    lego_T = sizes["lego_T"]
     print(f"\n4. LEGO attention, one bidirectional layer, training step at T = {lego_T} "
-          f"({tokens} tokens; [CLS], [SEP] = ids 0, 1)")
+          f"({tokens} tokens; [CLS], [SEP] = ids 0, 1; GFLOPs counted on the readable path without "
+          f"AdamW's, ms timed on the fused path with it)")
     print(f"{'attention':<10} {'GFLOPs':>9} {'ratio':>7} {'attn params':>12} {'ratio':>7} {'ms':>9} {'ratio':>7}")
     lego = dict(causal=False, broadcast_ids=(0, 1))
     lego_attns = ["standard", "lego_v0", "lego_v1"]
@@ -388,14 +400,14 @@ def main():
     print("\n5. Sliding-Dilated-Attention (C = 2), one layer, training step: the masked T x T map "
           "vs the fast path")
     print(f"{'T':>6} {'map ms':>10} {'fast ms':>10} {'ratio':>8}")
-    for T in [40, 500] + ([2048] if full else []):  # 40 and 500: the training and longest test length
+    for T in sizes["dilated_T"]:
         (masked, _), (fast, _) = medians_in_turns(
             [training_step("dilated", T, tokens, size, dtype, device, fused=fused)
              for fused in (False, True)], device, args.repeats)
         print(f"{T:>6} {masked * 1e3:>10.2f} {fast * 1e3:>10.2f} {fast / masked:>7.2f}x")
 
-    long_sequences(long_lengths, size, dtype, device, args.repeats)
-    short_sequences(tokens, size, dtype, device, args.repeats)
+    long_sequences(sizes["long_T"], size, dtype, device, args.repeats)
+    short_sequences(sizes["short_T"], tokens, size, dtype, device, args.repeats)
 
     if full:
         print("\n7. time to 99.9% test accuracy, one ChaCAL layer at the paper's size (lr 1e-3)")

@@ -1,5 +1,7 @@
 """The GPT: decoding with the cache against the full forward pass, sizes, and bad configs."""
 
+import sys
+
 import pytest
 import torch
 
@@ -357,3 +359,10 @@ def test_weight_init_gpt2_ties_the_embeddings_and_xavier_follows_pytorchs_defaul
     assert xavier.num_params() == gpt2.num_params() + 50 * 64  # the head is a matrix of its own
     with pytest.raises(ValueError, match="--weight_init"):
         GPTConfig(**config, weight_init="normal")
+
+
+def test_without_transformers_from_pretrained_says_how_to_install_it(monkeypatch):
+    # here, not in test_pretrained.py, which is skipped where transformers is missing
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now fails
+    with pytest.raises(ImportError, match=r"^[^\n]*pip install transformers$"):
+        GPT.from_pretrained("gpt2")
