@@ -52,7 +52,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import train
 from attention import CHACAL_BLOCK_SIZE, CHACAL_BLOCKED_FROM, chacal_attention
 from model import GPT, GPTConfig
-from train import OneLineErrors, pick_device, synchronize
+from train import DEVICE_HELP, DEVICES, OneLineErrors, pick_device, synchronize
 
 
 def in_turns(fns, device, repeats):
@@ -319,8 +319,7 @@ SIZES = {
 def main(argv=None):
     parser = OneLineErrors(prog="bench.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
-                        help="auto picks cuda, then mps, then cpu")
+    parser.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
     parser.add_argument("--long_only", action="store_true",
                         help="only tables 6 and 6b: long sequences (fused, one-solve and blocked "

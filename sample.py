@@ -22,7 +22,7 @@ import time
 import torch
 
 from data import task_from_settings
-from train import OneLineErrors, load_model, pick_device, synchronize
+from train import DEVICE_HELP, DEVICES, OneLineErrors, load_model, pick_device, synchronize
 
 
 @torch.no_grad()
@@ -51,8 +51,7 @@ def main(argv=None):
                         "the fresh example (default: a training length); longer tests extrapolation")
     parser.add_argument("--no_cache", action="store_true",
                         help="recompute the whole prefix for every token instead of caching")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
-                        help="auto picks cuda, then mps, then cpu")
+    parser.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     args = parser.parse_args(argv)
     try:
         if not 0 <= args.seed < 2**63:

@@ -47,6 +47,10 @@ class DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+# --device of train.py, sample.py and bench.py (pick_device)
+DEVICES, DEVICE_HELP = ["auto", "cpu", "cuda", "mps"], "auto picks cuda, then mps, then cpu"
+
+
 def build_parser():
     parser = OneLineErrors(prog="train.py", description=__doc__.split("\n\n")[0].strip())
     add = parser.add_argument
@@ -108,7 +112,7 @@ def build_parser():
     add("--init_from", type=os.path.expanduser, help="start a fresh run from trained weights: a run directory of ours, or a "
         "GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this --attn, --gamma, --dropout")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
-    add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="auto: cuda, mps, cpu")
+    add("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
         help="autocast dtype; auto: bfloat16 on CUDA GPUs that support it")
     add("--seed", type=int, default=1337, help="seeds the model's init and the data stream")
@@ -145,6 +149,7 @@ def with_task_defaults(args, typed):
 
 
 def pick_device(name):
+    """The device --device names (one of DEVICES), or a ValueError if this machine lacks it."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
     if name == "auto":
         return next((device for device, ok in available.items() if ok), "cpu")
