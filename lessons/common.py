@@ -2,6 +2,7 @@
 What the lesson notebooks share: their set-up, and running many trainings for a table.
 
     from common import SCALE, DEVICE, OUT, describe_setup, train_many, reuse_if_saved
+    from common import steps_to, trained_model, claim, report  # reading runs, the claims cell
     from common import TOY_TABLE, toy_table_flags, blind_guess  # lessons 00 and 01's toy task
 
 SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
@@ -75,6 +76,28 @@ def describe_setup():
     """The line every lesson prints first: scale, device, torch."""
     return (f"scale {SCALE}{', reusing saved runs' if REUSE else ''}, device {DEVICE_NAME}, "
             f"torch {torch.__version__}")
+
+
+def steps_to(run, threshold, key="eval_acc", depth=None):
+    """The first evaluated step at which a run (train.main's summary) had metric `key` at or above
+    threshold, or None; with depth, the metric's value at that chain depth (key "..._by_depth")."""
+    return next((m["step"] for m in run["metrics"]
+                 if (m[key] if depth is None else m[key][str(depth)]) >= threshold), None)
+
+
+def trained_model(summary):
+    """The model a run saved, on the CPU, in eval mode."""
+    return train.load_model(summary["args"]["out_dir"])[0]
+
+
+def claim(ok, text, numbers=None):
+    """A line of a lesson's claims cell: ✓ or ✗ (ok), the claim with its threshold, its numbers."""
+    print(f"{'✓' if ok else '✗'} {text}" + ("" if numbers is None else f": {numbers}"))
+
+
+def report(text, numbers):
+    """A line for what an issue asks to report with no threshold to pass."""
+    print(f"· {text}: {numbers}")
 
 
 def train_many(argvs, jobs=1, resume_saved=REUSE):
