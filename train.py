@@ -106,11 +106,13 @@ def build_parser():
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every N steps")
     add("--eval_samples", type=int, default=1024, help="test sequences per evaluation (a task "
         "that writes answers: the prompts it answers)")
-    add("--out_dir", default="out", type=os.path.expanduser, help="where ckpt.pt and metrics.jsonl go; a fresh run "
-        "replaces an earlier one there only when it saves its first checkpoint")
+    add("--out_dir", default="out", type=os.path.expanduser, help="where ckpt.pt and "
+        "metrics.jsonl go; a fresh run replaces an earlier one there only when it saves its first "
+        "checkpoint")
     add("--resume", action="store_true", help="continue the run in out_dir; typed flags override")
-    add("--init_from", type=os.path.expanduser, help="start a fresh run from trained weights: a run directory of ours, or a "
-        "GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this --attn, --gamma, --dropout")
+    add("--init_from", type=os.path.expanduser, help="start a fresh run from trained weights: a "
+        "run directory of ours, or a GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this "
+        "--attn, --gamma, --dropout")
     add("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
     add("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -208,9 +210,11 @@ def parse_args(argv=None):
         if args.resume and "init_from" in typed:
             raise ValueError(f"--init_from: a resumed run continues from its own checkpoint in "
                              f"{args.out_dir}; drop --init_from (or start a new --out_dir)")
-        for flag, why in [("seed", "continues the random streams its checkpoint saved"),
-                          ("mimic_iters", "mimicked, if at all, before its first step")]:
-            if args.resume and flag in typed and typed[flag] != checkpoint["args"].get(flag):
+        # settings that act only when a run starts
+        fixed_at_start = [("seed", "continues the random streams its checkpoint saved"),
+                          ("mimic_iters", "mimicked, if at all, before its first step")]
+        for flag, why in fixed_at_start if args.resume else []:
+            if flag in typed and typed[flag] != checkpoint["args"].get(flag):
                 raise ValueError(f"--{flag}: the run in {args.out_dir} {why}; drop --{flag} "
                                  f"(or start a new --out_dir)")
         # before building the task (boxes writes a dataset); --init_from's model, whose depth is
@@ -363,7 +367,7 @@ def initial_weights(args, task, typed, checkpoint=None):
         try:
             gpt2 = GPT.from_pretrained(args.init_from)
         except (ImportError, OSError) as error:
-            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
             raise ValueError(f"--init_from {args.init_from}: not a run directory, nor a GPT-2 "
                              f"that transformers can load ({reason})") from None
         checkpoint = {"config": asdict(gpt2.config), "model": gpt2.state_dict()}
@@ -386,7 +390,8 @@ def initial_weights(args, task, typed, checkpoint=None):
                              f"this run needs {value}")
     with torch.device("meta"):  # e.g. lego attention has weights standard attention has not
         ours = GPT(config).state_dict().keys()
-    lacking, unplaced = sorted(ours - checkpoint["model"].keys()), sorted(checkpoint["model"].keys() - ours)
+    theirs = checkpoint["model"].keys()
+    lacking, unplaced = sorted(ours - theirs), sorted(theirs - ours)
     if lacking or unplaced:
         what = (f"needs weights that model lacks ({lacking[0]}, ...)" if lacking
                 else f"has no place for weights of that model ({unplaced[0]}, ...)")
@@ -445,7 +450,7 @@ def interrupts_deferred():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
     if caught:
         raise KeyboardInterrupt
 
