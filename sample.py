@@ -22,7 +22,8 @@ import time
 import torch
 
 from data import task_from_settings
-from train import DEVICE_HELP, DEVICES, OneLineErrors, load_model, pick_device, synchronize
+from train import (DEVICE_HELP, DEVICES, OneLineErrors, check_seed, load_model, pick_device,
+                   synchronize)
 
 
 @torch.no_grad()
@@ -54,8 +55,7 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     args = parser.parse_args(argv)
     try:
-        if not 0 <= args.seed < 2**63:
-            raise ValueError(f"--seed {args.seed} must lie in [0, 2^63)")
+        check_seed(args.seed)
         device = pick_device(args.device)
         model, checkpoint = load_model(args.out_dir, device)
         run = checkpoint["args"]

@@ -150,6 +150,12 @@ def with_task_defaults(args, typed):
     return args
 
 
+def check_seed(seed):
+    """--seed as torch.Generator takes it (train.py's and sample.py's), or a ValueError."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"--seed {seed} must lie in [0, 2^63)")
+
+
 def pick_device(name):
     """The device --device names (one of DEVICES), or a ValueError if this machine lacks it."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
@@ -267,8 +273,7 @@ def check_numbers(args):
         raise ValueError(f"--stop_at_acc {args.stop_at_acc} must lie in (0, 1]: an accuracy")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block_size {args.block_size} must be at least 1, or left unset")
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed {args.seed} must lie in [0, 2^63)")
+    check_seed(args.seed)
 
 
 def model_config(args, task):

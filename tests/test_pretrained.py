@@ -98,8 +98,7 @@ def test_a_gpt2_our_gpt_cannot_build_fails_in_one_line():
         GPT.from_pretrained(transformers.GPT2LMHeadModel(config))
 
 
-
-def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch, tmp_path):
+def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch):
     tries = []
 
     def from_pretrained(name, local_files_only=False):
