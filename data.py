@@ -553,11 +553,20 @@ def signature_split(version, seed, **sizes):
     return set(signatures[:half]), set(signatures[half:])
 
 
+_writes = itertools.count()  # numbers write_whole's temporary files within a process
+
+
 def write_whole(path, write):
     """write(a temporary path), then rename it to path: an interrupted write leaves no half file
-    under the name a later run would read."""
-    write(path + ".tmp")
-    os.replace(path + ".tmp", path)
+    under the name a later run would read. The temporary name is this call's own, so runs that
+    build the same file at once (a lesson's parallel runs) never write into one file."""
+    temporary = f"{path}.{os.getpid()}-{next(_writes)}.tmp"
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):  # the write failed: no temporary file left behind
+            os.remove(temporary)
 
 
 @functools.lru_cache(maxsize=4)
@@ -679,7 +688,8 @@ class Boxes(Task):
         # operation, plus 3 specials; trimmed to the longest example afterwards.
         width = 3 + 2 * 13 * self.sizes["n_boxes"] + 13 * self.sizes["max_ops"]
         rows = torch.zeros(n, width, dtype=torch.uint8)
-        for i in tqdm(range(n), desc=f"boxes {self.version} {stream}", disable=n < 10_000):
+        for i in tqdm(range(n), desc=f"boxes {self.version} {stream}",
+                      disable=True if n < 10_000 else None):  # None: only on a terminal
             prompt, answer = generate_example(rng, self.version, signatures, **self.sizes)
             ids = [BOS, *encode(prompt), SEP, *encode(answer), EOS]
             rows[i, :len(ids)] = torch.tensor(ids, dtype=torch.uint8)

@@ -168,3 +168,27 @@ def test_answers_by_generation_are_scored_against_the_simulator(tmp_path, monkey
     spoiled = evaluate(AnswerWriter(task, spoiled_rows=[0, 5]))  # one box of seven wrong in each
     assert spoiled["eval_exact_match"] == 8 / 10 and spoiled["eval_box_acc"] == 68 / 70
     assert 0 < min(spoiled["eval_box_acc_by_depth"].values()) < 1
+
+
+def test_write_whole_gives_each_writer_of_a_file_its_own_temporary(tmp_path):
+    """Two runs that build the same cache file at once (a lesson's parallel runs) must not write
+    into one temporary file; a failed write leaves the file as it was and nothing beside it."""
+    path = str(tmp_path / "cache.pt")
+
+    def slow_writer(temporary):
+        with open(temporary, "w") as file:
+            file.write("first, ")
+            file.flush()
+            data.write_whole(path, lambda other: open(other, "w").write("second"))  # meanwhile
+            file.write("whole")
+
+    data.write_whole(path, slow_writer)
+    assert open(path).read() == "first, whole"
+
+    def failing_writer(temporary):
+        open(temporary, "w").write("half")
+        raise RuntimeError("the disk is full")
+
+    with pytest.raises(RuntimeError):
+        data.write_whole(path, failing_writer)
+    assert open(path).read() == "first, whole" and [p.name for p in tmp_path.iterdir()] == ["cache.pt"]
