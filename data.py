@@ -611,7 +611,9 @@ class Boxes(Task):
     move implicit, only filled boxes described and answered: chains of up to 31 moves.
     n_boxes, n_filled, n_objects, min_ops, max_ops resize a version and keep its rules (None:
     the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 operations is an advanced version
-    of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14.
+    of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14. It needs two
+    filled boxes or more: with one, every move starts where the last one ended, so the answer's
+    box is the last move's destination, read without following anything.
 
     Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
     template words and 100 objects in one sorted list; word-level, see encode(). A row and its labels (-1 is not scored):
@@ -641,7 +643,7 @@ class Boxes(Task):
              "n_boxes": dict(type=int, help="boxes: boxes A.. in a prompt, 2-8 (7 default, 8 "
                              "advanced)"),
              "n_filled": dict(type=int, help="boxes advanced: boxes holding an item at the start "
-                              "(4)"),
+                              "(4); with 1, the last move names the answer's box: no chain to follow"),
              "n_objects": dict(type=int, help="boxes: objects that may appear, the first of the "
                                "100 (100)"),
              "min_ops": dict(type=int, help="boxes: fewest operations per prompt (default 32, "

@@ -438,6 +438,23 @@ def test_small_advanced_depths_are_spread_and_splits_apart():
     assert torch.equal(depth == -1, y == -1) and depth.max() >= 3
 
 
+def test_one_filled_box_leaves_no_chain_to_follow_and_two_do():
+    """Boxes' docstring: with --n_filled 1 the answer's box is the last move's destination, so
+    the small configuration needs two filled boxes for its answers to need the chain."""
+    def last_destination(prompt):  # or, with no move, where the items started
+        return (re.findall(r"is in Box (\w)", prompt)
+                + re.findall(r"Move the contents of Box \w to Box (\w)", prompt))[-1]
+
+    rng = random.Random("one filled box")
+    for _ in range(200):
+        prompt, answer = generate_example(rng, "advanced", **{**SMALL, "n_filled": 1})
+        assert re.findall(r"Box (\w) contains", answer) == [last_destination(prompt)]
+    moved_first = [box for prompt, answer in examples("advanced", 400, small=True)
+                   for box in simulate(prompt)[0] if simulate(prompt)[0][box]
+                   and box != last_destination(prompt)]
+    assert len(moved_first) == 400  # the other item's box is never the last move's
+
+
 @pytest.mark.parametrize("version, sizes, flag", [
     ("advanced", dict(n_boxes=9), "--n_boxes"), ("advanced", dict(n_boxes=1), "--n_boxes"),
     ("advanced", dict(n_filled=0), "--n_filled"), ("advanced", dict(n_boxes=4, n_filled=4), "--n_filled"),
