@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import pathlib
 import signal
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from attention import ATTENTIONS, NO_GROUPS, mimic
-from data import TASKS, task_class, task_flags, task_from_settings
+from data import TASKS, task_class, task_flags, task_from_settings, write_whole
 from model import GPT, GPTConfig
 
 
@@ -438,9 +439,8 @@ def save_checkpoint(out_dir, model, optimizer, args, step, train_time, rngs, met
                   "rng": {"torch": torch.get_rng_state(), "data": rngs[0].get_state(),
                           "eval": rngs[1].get_state(),
                           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
-    path = os.path.join(out_dir, "ckpt.pt")
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a kill during the save leaves the old checkpoint whole
+    # written aside and renamed: a kill during the save leaves the old checkpoint whole
+    write_whole(os.path.join(out_dir, "ckpt.pt"), lambda temporary: torch.save(checkpoint, temporary))
 
 
 @contextlib.contextmanager
@@ -462,10 +462,9 @@ def interrupts_deferred():
 
 def write_metrics(out_dir, metrics):
     """metrics.jsonl, one record per line, replaced whole."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in metrics)
-    os.replace(path + ".tmp", path)
+    text = "".join(json.dumps(m) + "\n" for m in metrics)
+    write_whole(os.path.join(out_dir, "metrics.jsonl"),
+                lambda temporary: pathlib.Path(temporary).write_text(text))
 
 
 def set_up(args, config, checkpoint):
