@@ -164,6 +164,14 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
         common.train_many([TINY + out, TINY + out])
 
 
+def test_only_the_runs_taken_as_saved_are_named_beside_the_lesson_time():
+    argvs = [["--out_dir", "a"], ["--out_dir", "b", "--resume"], ["--out_dir", "c", "--resume"]]
+    runs = [{"final": {"train_time": seconds}} for seconds in (600.0, 90.0, 30.0)]
+    assert common.taken_as_saved(argvs, runs, "Lesson 1", 2) == (
+        "; 2 runs taken as Lesson 1 saved them (their 2.0 min of training, 2 at a time, is not in this time)")
+    assert common.taken_as_saved([argvs[0]], runs[:1], "Lesson 1", 2) == ""
+
+
 def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tmp_path, capsys):
     # The pool hands a few runs to its workers ahead of time, and those cannot be called back;
     # runs of a second each make sure the failure is seen long before the last ones come up.
