@@ -217,11 +217,10 @@ def parse_args(argv=None):
         if args.resume and "init_from" in typed:
             raise ValueError(f"--init_from: a resumed run continues from its own checkpoint in "
                              f"{args.out_dir}; drop --init_from (or start a new --out_dir)")
-        # settings that act only when a run starts
-        fixed_at_start = [("seed", "continues the random streams its checkpoint saved"),
-                          ("mimic_iters", "mimicked, if at all, before its first step")]
-        for flag, why in fixed_at_start if args.resume else []:
-            if flag in typed and typed[flag] != checkpoint["args"].get(flag):
+        fixed_at_start = {"seed": "continues the random streams its checkpoint saved",
+                          "mimic_iters": "mimicked, if at all, before its first step"}
+        for flag, why in fixed_at_start.items():  # settings that act only when a run starts
+            if args.resume and flag in typed and typed[flag] != checkpoint["args"].get(flag):
                 raise ValueError(f"--{flag}: the run in {args.out_dir} {why}; drop --{flag} "
                                  f"(or start a new --out_dir)")
         # before building the task (boxes writes a dataset); --init_from's model, whose depth is

@@ -450,8 +450,8 @@ def test_one_filled_box_leaves_no_chain_to_follow_and_two_do():
         prompt, answer = generate_example(rng, "advanced", **{**SMALL, "n_filled": 1})
         assert re.findall(r"Box (\w) contains", answer) == [last_destination(prompt)]
     moved_first = [box for prompt, answer in examples("advanced", 400, small=True)
-                   for box in simulate(prompt)[0] if simulate(prompt)[0][box]
-                   and box != last_destination(prompt)]
+                   for box, items in simulate(prompt)[0].items()
+                   if items and box != last_destination(prompt)]
     assert len(moved_first) == 400  # the other item's box is never the last move's
 
 
