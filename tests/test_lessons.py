@@ -80,6 +80,39 @@ def test_lesson_plans_valid_runs_at_gpu_scale(path, tmp_path, monkeypatch):
     assert stopped.value.ename == "PlanChecked", f"{stopped.value.ename}: {stopped.value.evalue}"
 
 
+# Lesson 06 then fine-tunes with --init_from the checkpoint of its first plan's standard run,
+# which train.py reads while checking the flags: so that plan is trained first, one step each at
+# the gpu scale's model sizes, and the second is checked against those checkpoints.
+TRAIN_ONE_STEP_THEN_CHECK = CHECK_THE_PLAN + """
+trained = []
+def one_step_then_check(argvs, jobs=1, resume_saved=False):
+    if trained:
+        check_plan(argvs)
+    runs = []
+    for k, argv in enumerate(argvs):
+        argv = list(argv)
+        argv[argv.index("--out_dir") + 1] = {scratch!r} + f"/trained{{k}}"
+        runs.append(train.main(argv + ["--max_iters", "1", "--eval_interval", "1", "--eval_samples", "1",
+                                       "--batch_size", "1", "--device", "cpu"]))
+    trained.append(runs)
+    return runs
+common.train_many = one_step_then_check
+"""
+
+
+def test_lesson_06_fine_tunes_at_gpu_scale_pass_train_py_checks_from_its_scratch_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOCHACAL_SCALE", "gpu")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(os.path.join(LESSONS, "06_language_modelling.ipynb"), as_version=4)
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(TRAIN_ONE_STEP_THEN_CHECK.format(scratch=str(tmp_path))))
+    with pytest.raises(CellExecutionError) as stopped:
+        NotebookClient(notebook, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": LESSONS}}).execute()
+    assert stopped.value.ename == "PlanChecked", f"{stopped.value.ename}: {stopped.value.evalue}"
+    assert "2 runs checked" in str(stopped.value.evalue)  # the fine-tunes, not the scratch runs
+    assert len(glob.glob(str(tmp_path / "trained*" / "ckpt.pt"))) == 3
+
+
 def test_runs_in_parallel_processes_equal_the_same_runs_one_after_another(tmp_path):
     # Each spawned worker gets one CPU thread; so does the sequential reference, so that both
     # sum in the same order and must agree to the last digit.
