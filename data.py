@@ -1498,6 +1498,10 @@ class Cycles(Task):
     (y[t] is the target read at x[t]; "-" is -1), and layout(x) gives their positions and
     groups: the copy "v58 #" opens group 2 at the positions of the first "v58 #".
 
+    Only what follows the prompt is scored, as in boxes. The paper's loss also covers the
+    question (Appendix C); --score_question does that in training, each edge and query token
+    predicted from those before it, while the test split still scores what follows the prompt.
+
     Out of distribution: --test_cycle_n and --test_cycle_distance give the test split other
     sizes (longer walks than any in training, say); the vocabulary holds the names of both.
     With learned positions, another n also moves every state (they start at the question's
@@ -1516,11 +1520,15 @@ class Cycles(Task):
              "scratchpad": dict(choices=list(SCRATCHPADS), help="cycles: the answer alone "
                                 "(none), the walk first (full, DFS), or inductive states; default none"),
              "cycle_names": dict(type=int, help="cycles: node names each graph draws its 2n "
-                                 "from (100, or 2n if more; the paper 1000; few are learned sooner)")}
+                                 "from (100, or 2n if more; the paper 1000; few are learned sooner)"),
+             "score_question": dict(action="store_const", const=True, help="cycles: also train "
+                                    "on the question's tokens, edges and query, as the paper's "
+                                    "loss does; the test split scores what follows them alone")}
     train_defaults = {"n_layer": 2, "batch_size": 64, "max_iters": 2000}
 
     def __init__(self, cycle_n=5, cycle_distance=None, test_cycle_n=None,
-                 test_cycle_distance=None, scratchpad="none", cycle_names=None):
+                 test_cycle_distance=None, scratchpad="none", cycle_names=None,
+                 score_question=False):
         if scratchpad not in SCRATCHPADS:
             raise ValueError(f"--scratchpad {scratchpad!r}: choose none, full or inductive")
         if test_cycle_distance is None and test_cycle_n in (None, cycle_n):
@@ -1539,6 +1547,7 @@ class Cycles(Task):
             self.sizes[split] = (n, distance)
         self.scratchpad = scratchpad
         self.grouped = scratchpad == "inductive"
+        self.score_question = bool(score_question)
         largest = max(cycle_n, test_cycle_n)
         cycle_names = max(100, 2 * largest) if cycle_names is None else cycle_names
         if cycle_names < 2 * largest:
@@ -1603,16 +1612,18 @@ class Cycles(Task):
             return walk + [CYCLE_END] + answer
         return [token for node in nodes for token in (node, CYCLE_SEP)] + answer
 
-    def _rows(self, prompts):
+    def _rows(self, prompts, score_question=False):
         """(x, y) of prompts (lists of ids): each completed, in the training form if inductive,
-        padded on the right; y[t] = x[t+1] after the prompt, -1 on the prompt, the padding and
-        the copies."""
+        padded on the right; y[t] = x[t+1] after the prompt (and on it, if score_question), -1
+        elsewhere: on the prompt, the padding and the copies."""
         rows = [prompt + self.completion(prompt) for prompt in prompts]
         if self.scratchpad == "inductive":
             rows = [training_form(row, CYCLE_START, CYCLE_SEP) for row in rows]
         x = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], batch_first=True)
         y = torch.full_like(x, -1)
-        start = len(prompts[0]) - 1  # one prompt length per batch (one n per split)
+        # The first scored target: the prompt's second token, or what follows the prompt (one
+        # prompt length per batch: one n per split).
+        start = 0 if score_question else len(prompts[0]) - 1
         y[:, start:-1] = x[:, start + 1:]
         unscored = x == CYCLE_PAD
         if self.scratchpad == "inductive":
@@ -1625,14 +1636,16 @@ class Cycles(Task):
         # Balanced: half the rows connected, in random order (an odd batch's extra row either).
         offset = torch.randint(2, (), generator=generator)
         connected = ((torch.randperm(batch_size, generator=generator) + offset) % 2).tolist()
-        return self._rows([self._prompt(n, distance, c, generator) for c in connected])
+        return self._rows([self._prompt(n, distance, c, generator) for c in connected],
+                          score_question=self.score_question and split == "train")
 
     def prompts(self, x):
         """Each row's prompt (a list of ids): the edges, the query, and ":" if inductive."""
         return [ids[:ids.index(CYCLE_QUERY) + 3] + self._start() for ids in x.tolist()]
 
     def solve(self, x):
-        """The labels of x (B, T) from each row's edges and query alone, by walking the graph."""
+        """The labels of x (B, T) from each row's edges and query alone, by walking the graph:
+        what follows the prompt, as the test split scores it."""
         _, y = self._rows(self.prompts(x))
         return y[:, :x.size(1)]
 

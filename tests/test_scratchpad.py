@@ -284,6 +284,22 @@ def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scra
                 assert not should or labels[t] == row[t + 1]
 
 
+@pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
+def test_score_question_trains_on_every_question_token_and_tests_what_follows_alone(scratchpad, tmp_path):
+    plain = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+    args, task, _, _ = train.parse_args(["--task", "cycles", "--cycle_n", "3", "--scratchpad", scratchpad,
+                                         "--score_question", "--out_dir", str(tmp_path)])
+    assert args.score_question and task.score_question
+    for split in ("train", "test"):
+        x, y = plain.sample(16, torch.Generator().manual_seed(5), split=split)
+        x_scored, y_scored = task.sample(16, torch.Generator().manual_seed(5), split=split)
+        assert torch.equal(x_scored, x)
+        end = len(plain.prompts(x)[0]) - 1  # y[end] is the first target after the prompt
+        assert (y[:, :end] == -1).all() and torch.equal(y_scored[:, end:], y[:, end:])
+        question = x[:, 1:end + 1] if split == "train" else torch.full_like(y[:, :end], -1)
+        assert torch.equal(y_scored[:, :end], question)  # each next token of the prompt, in training
+
+
 def test_cycles_graph_walk_by_hand():
     task = Cycles(cycle_n=2, scratchpad="inductive")
     # v1 > v2 > v3 > v4 > v1, one 4-cycle; A = v1, B = v3 two steps ahead.
