@@ -8,7 +8,8 @@ Every variant maps x (B, T, C) to (B, T, C) and is called as
 
 - `cache` is a LayerCache when decoding token by token (see GPT.generate), else None.
 - `groups` (B, T) are the attention groups of the inductive scratchpad (model.inductive_layout), or None
-  for the ordinary causal mask. Standard attention and ChaCAL honour them; the others refuse them.
+  for the ordinary causal mask. Standard attention and ChaCAL honour them; the others (and ChaCAL's
+  chacal_diagonal ablation) refuse them.
 - `token_ids` (B, T) and `depth` (the index of the layer in the stack) are passed to every variant
   so that variants which need them (LEGO attention reads token ids, Sliding-Dilated-Attention
   picks its dilation from the depth) fit the same call. Standard attention and ChaCAL ignore them.
