@@ -216,7 +216,7 @@ class PointerChains(Task):
 
     def example(self, generator, prompt=None, length=None):
         """A fresh sequence, or a typed one: token ids separated by spaces or commas."""
-        if prompt is None:
+        if prompt is None or length is not None:  # --length is refused with or without a prompt
             return super().example(generator, length=length)
         words = prompt.replace(",", " ").split()
         bad = next((w for w in words if not (w.isascii() and w.isdigit())
@@ -637,7 +637,8 @@ class Boxes(Task):
     generates_answer = True
     stop_token = EOS
     flags = {"boxes_version": dict(choices=["default", "advanced"], help="boxes: 7 boxes and 32 "
-                                   "operations (default), or 8 boxes and 1-31 implicit moves"),
+                                   "operations (default), or 8 boxes and 1-31 operations, every "
+                                   "move implicit"),
              "n_train": dict(type=int, help="boxes: training examples, cached in data_cache/ (2000)"),
              "n_test": dict(type=int, help="boxes: test examples, no initial state in both (500)"),
              "n_boxes": dict(type=int, help="boxes: boxes A.. in a prompt, 2-8 (7 default, 8 "

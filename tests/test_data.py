@@ -77,8 +77,9 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
                 "5 9 1 0 3 2 1 4 7 5 6 4 8 9 11 10"]:  # last two: a pointer out of the block before
         with pytest.raises(ValueError, match="--prompt"):
             task.example(None, prompt=bad)
-    with pytest.raises(ValueError, match="--length"):
-        task.example(None, length=30)
+    for prompt in [None, "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"]:  # a typed prompt is no way around it
+        with pytest.raises(ValueError, match="--length"):
+            task.example(None, prompt=prompt, length=30)
 
 
 class Oracle(torch.nn.Module):
