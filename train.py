@@ -214,11 +214,11 @@ def parse_args(argv=None):
         args.n_layer = args.n_layer or ("auto" if args.share_weights else 1)
         args.norm = args.norm or ("post" if args.n_layer == "auto" else "pre")
         check_numbers(args)
-        if args.resume and "init_from" in typed:
-            raise ValueError(f"--init_from: a resumed run continues from its own checkpoint in "
-                             f"{args.out_dir}; drop --init_from (or start a new --out_dir)")
+        # The command that started a run, with --resume added, continues it (as the Ctrl-C
+        # message says); a changed value of one of these is refused, as it would act on nothing.
         fixed_at_start = {"seed": "continues the random streams its checkpoint saved",
-                          "mimic_iters": "mimicked, if at all, before its first step"}
+                          "mimic_iters": "mimicked, if at all, before its first step",
+                          "init_from": "continues from its own checkpoint"}
         for flag, why in fixed_at_start.items():  # settings that act only when a run starts
             if args.resume and flag in typed and typed[flag] != checkpoint["args"].get(flag):
                 raise ValueError(f"--{flag}: the run in {args.out_dir} {why}; drop --{flag} "

@@ -675,9 +675,15 @@ def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsy
     error = one_error_line(capsys, flags + ["--resume", "--out_dir", str(tmp_path / "run"),
                                             "--n_embd", "16"])
     assert f"--resume: the run in {tmp_path / 'run'}: its model has n_embd 32" in error
+    # The command that started it, with --resume, continues it (lesson 06's fine-tunes resume so);
+    # other weights to start from are refused, as the run no longer starts
+    train.main(flags + ["--max_iters", "3", "--init_from", str(tmp_path / "pre"), "--resume",
+                        "--out_dir", str(tmp_path / "run")])
+    assert train.load_checkpoint(str(tmp_path / "run"))["step"] == 3
     error = one_error_line(capsys, flags + ["--resume", "--out_dir", str(tmp_path / "run"),
-                                            "--init_from", str(tmp_path / "pre")])
-    assert error.startswith("train.py: error: --init_from: a resumed run continues")
+                                            "--init_from", str(tmp_path / "run")])
+    assert error.startswith(f"train.py: error: --init_from: the run in {tmp_path / 'run'} continues "
+                            f"from its own checkpoint; drop --init_from")
 
 
 def test_a_kill_while_metrics_are_written_loses_no_earlier_line(tmp_path, monkeypatch):
