@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 from tqdm import tqdm
@@ -144,10 +144,18 @@ def typed_flags(parser, args, argv):
     return {dest: getattr(args, dest) for dest in typed}
 
 
+def task_defaults(args, typed):
+    """The task's preferred settings (train_defaults) of the flags not typed. With --init_from the
+    model's shape (--n_layer, --n_embd) is the weights', so only its training settings."""
+    model_fields = {field.name for field in fields(GPTConfig)} if args.init_from else set()
+    return {flag: value for flag, value in task_class(args.task).train_defaults.items()
+            if flag not in typed and flag not in model_fields}
+
+
 def with_task_defaults(args, typed):
-    """args with the task's preferred settings (train_defaults) wherever a flag was not typed."""
-    for flag, value in task_class(args.task).train_defaults.items():
-        setattr(args, flag, typed.get(flag, value))
+    """args with the task's preferred settings wherever a flag was not typed (task_defaults)."""
+    for flag, value in task_defaults(args, typed).items():
+        setattr(args, flag, value)
     return args
 
 
@@ -204,7 +212,7 @@ def parse_args(argv=None):
         else:  # the task's preferred settings, unless typed
             args = with_task_defaults(args, typed)
             print("".join(f"task {args.task} sets --{k} {v}\n" for k, v
-                          in task_class(args.task).train_defaults.items() if k not in typed), end="")
+                          in task_defaults(args, typed).items()), end="")
         # What a checkpoint saves: the settings before anything below resolves them, so a resumed
         # run picks the device of the machine it now runs on, and a new --lr or --max_iters moves
         # min_lr and the end of the decay with it (unless those were typed).

@@ -229,6 +229,21 @@ def test_init_from_our_run_with_chacal_at_gamma_0_trains_as_standard_attention(c
     assert [m["step"] for m in resumed["metrics"]] == [1, 2]
 
 
+def test_init_from_keeps_the_weights_shape_and_says_nothing_of_the_task_s(corpus, tmp_path, capsys):
+    # Text prefers 4 layers (train_defaults); a fine-tune of a 1-layer run has 1, and neither
+    # its log nor its saved settings may claim 4.
+    untyped = TINY[:2] + TINY[4:]  # TINY without its --n_layer 2
+    train.main(untyped + ["--data", str(corpus), "--n_layer", "1", "--max_iters", "1",
+                          "--out_dir", str(tmp_path / "pre")])
+    capsys.readouterr()
+    train.main(untyped + ["--data", str(corpus), "--max_iters", "1", "--init_from",
+                          str(tmp_path / "pre"), "--out_dir", str(tmp_path / "tuned")])
+    out = capsys.readouterr().out
+    assert "sets --n_layer" not in out and "sets --lr 0.001" in out and "1 layer(s)" in out
+    saved = torch.load(tmp_path / "tuned" / "ckpt.pt", weights_only=True)
+    assert saved["config"]["n_layer"] == 1 and saved["args"]["n_layer"] is None
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--n_embd", "64"], "n_embd 32"),
     (["--context", "32"], "block_size 16"),
