@@ -94,6 +94,11 @@ class GPTConfig:
         if self.thickness > 1 and not self.share_weights and "dilated" not in names:
             raise ValueError(f"--thickness {self.thickness} only means something with "
                              f"--share_weights or --attn dilated; add one or drop it")
+        if self.share_weights and not self.adaptive_depth and self.thickness > self.n_layer:
+            idle = self.thickness - self.n_layer
+            raise ValueError(f"--thickness {self.thickness} exceeds --n_layer {self.n_layer}: "
+                             f"{idle} shared block{'s' * (idle > 1)} would never run; lower "
+                             f"--thickness or raise --n_layer")
         if self.adaptive_depth and not self.share_weights:
             raise ValueError("--n_layer auto (adaptive depth) needs --share_weights: a depth that "
                              "grows with the input must reuse the same blocks")

@@ -222,6 +222,7 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(n_layer=4, min_train_layers=2), "--min_train_layers"),
     (dict(attn="dilated", causal=False), "--bidirectional"),
     (dict(attn="standard,chacal", share_weights=True, thickness=3), "--thickness"),
+    (dict(share_weights=True, thickness=3, n_layer=2), "--thickness 3 exceeds --n_layer 2"),  # idle blocks
 ])
 def test_bad_configs_fail_at_construction_naming_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
