@@ -488,8 +488,9 @@ def box_sizes(version="default", **sizes):
     if not 2 <= s["n_boxes"] <= len(LETTERS):
         raise ValueError(f"--n_boxes {s['n_boxes']} must lie in 2..{len(LETTERS)} (boxes A..H)")
     if version == "advanced" and not 1 <= s["n_filled"] < s["n_boxes"]:
-        raise ValueError(f"--n_filled {s['n_filled']} must lie in 1..{s['n_boxes'] - 1}: a move "
-                         f"needs an empty box among the {s['n_boxes']} of --n_boxes")
+        paper = "" if sizes.get("n_filled") is not None else " (the paper's, as none was given)"
+        raise ValueError(f"--n_filled {s['n_filled']}{paper} must lie in 1..{s['n_boxes'] - 1}: "
+                         f"a move needs an empty box among the {s['n_boxes']} of --n_boxes")
     fewest = s["n_filled"] + 1 if version == "advanced" else MAX_ITEMS * s["n_boxes"]
     if not fewest <= s["n_objects"] <= len(OBJECTS):
         raise ValueError(f"--n_objects {s['n_objects']} must lie in {fewest}..{len(OBJECTS)} "

@@ -458,6 +458,7 @@ def test_one_filled_box_leaves_no_chain_to_follow_and_two_do():
 @pytest.mark.parametrize("version, sizes, flag", [
     ("advanced", dict(n_boxes=9), "--n_boxes"), ("advanced", dict(n_boxes=1), "--n_boxes"),
     ("advanced", dict(n_filled=0), "--n_filled"), ("advanced", dict(n_boxes=4, n_filled=4), "--n_filled"),
+    ("advanced", dict(n_boxes=3), r"--n_filled 4 \(the paper's, as none was given\)"),  # untyped
     ("default", dict(n_filled=2), "--n_filled"), ("advanced", dict(n_objects=4), "--n_objects"),
     ("advanced", dict(n_objects=101), "--n_objects"), ("default", dict(n_objects=20), "--n_objects"),
     ("advanced", dict(min_ops=0), "--min_ops"), ("advanced", dict(min_ops=5, max_ops=3), "--max_ops")])
