@@ -441,8 +441,9 @@ def _default_operations(rng, boxes, letters, n_ops, objects):
 
 
 # Table 6 has 9 moves and 2 put/remove pairs in 13 operations; drawing moves and pairs 1:1
-# would make that unlikely (5%; 33% with 3/4, counting the last operation, always a move), so
-# we draw a move with probability 3/4 (our choice; the paper is silent).
+# would make that unlikely (5%; 33% with 3/4), so we draw a move with probability 3/4 (our
+# choice; the paper is silent). A lone last operation is a move; a pair drawn with two left ends
+# the prompt on its Remove, so a prompt of 2 operations may hold no move (3% of advanced prompts).
 ADVANCED_MOVE_PROBABILITY = 0.75
 
 
