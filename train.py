@@ -364,6 +364,18 @@ def check_same_model(args, typed, task, config, checkpoint):
                          f"flags to continue it")
 
 
+def as_flag(field, value):
+    """A GPTConfig field's value as the flag that sets it, for messages: ("n_embd", 32) ->
+    "--n_embd 32", ("causal", False) -> "--bidirectional"."""
+    if field == "causal":
+        return "no --bidirectional" if value else "--bidirectional"
+    if field == "adaptive_depth":
+        return "--n_layer auto" if value else "a fixed --n_layer"
+    if isinstance(value, bool):
+        return f"--{field}" if value else f"no --{field}"
+    return f"--{field} {value}"
+
+
 def initial_weights(args, task, typed, checkpoint=None):
     """--init_from: (config, weights) of a run's model or a GPT-2's, with this command's --attn,
     --gamma and --dropout; a typed flag changing its shape is an error. (Resuming: its own.)"""
@@ -395,12 +407,13 @@ def initial_weights(args, task, typed, checkpoint=None):
         needed["adaptive_depth"] = True
     if "bidirectional" in typed:  # the flag's field in GPTConfig is its opposite
         needed["causal"] = not args.bidirectional
-    source = (f"--resume: the run in {args.out_dir}" if args.resume
-              else f"--init_from {args.init_from}")
-    for name, value in needed.items():
-        if getattr(config, name) != value:
-            raise ValueError(f"{source}: its model has {name} {getattr(config, name)}, where "
-                             f"this run needs {value}")
+    source = f"the run in {args.out_dir}" if args.resume else f"--init_from {args.init_from}"
+    for field, value in needed.items():
+        if getattr(config, field) != value:
+            fix = "drop the flag" + ("" if args.resume else ", or start from other weights")
+            raise ValueError(f"{'--resume: ' * args.resume}{source}: its model has "
+                             f"{as_flag(field, getattr(config, field))}, where this run needs "
+                             f"{as_flag(field, value)}; {fix}")
     with torch.device("meta"):  # e.g. lego attention has weights standard attention has not
         ours = GPT(config).state_dict().keys()
     theirs = checkpoint["model"].keys()
