@@ -32,7 +32,7 @@ from attention import ATTENTIONS, LayerCache
 class GPTConfig:
     block_size: int = 128   # the longest sequence the model accepts (rows of the position table)
     vocab_size: int = 128   # number of distinct token ids
-    n_layer: int = 1        # number of transformer blocks
+    n_layer: int = 1        # layers run per input (distinct blocks: n_blocks())
     n_head: int = 4         # attention heads per block; n_embd must be a multiple of it
     n_embd: int = 128       # width of the residual stream; the MLP is 4x wider, as GPT-2
     dropout: float = 0.0    # dropout on embeddings and residual branches; 0 in every paper run
@@ -58,7 +58,7 @@ class GPTConfig:
 
     def __post_init__(self):
         # Fail here, at construction, with the flag's name, rather than deep inside a forward.
-        names = self.attention_per_layer()
+        names = self.attention_per_block()
         unknown = [name for name in names if name not in ATTENTIONS]
         if unknown:
             raise ValueError(f"--attn: unknown attention {unknown[0]!r}; choose from "
@@ -126,7 +126,7 @@ class GPTConfig:
         """Distinct blocks (with their own weights): thickness when shared, else n_layer."""
         return self.thickness if self.share_weights else self.n_layer
 
-    def attention_per_layer(self):
+    def attention_per_block(self):
         """The attention name of each distinct block, e.g. 'standard,chacal' -> [standard, chacal]."""
         names = [name.strip() for name in self.attn.split(",")]
         return names * self.n_blocks() if len(names) == 1 else names
@@ -209,7 +209,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, name) for name in config.attention_per_layer()]),
+            h=nn.ModuleList([Block(config, name) for name in config.attention_per_block()]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         if config.pos == "learned":
@@ -293,7 +293,7 @@ class GPT(nn.Module):
         sequence), nor with LEGO attention (its maps see every token)."""
         return (self.config.causal and not self.config.adaptive_depth
                 and all(ATTENTIONS[name].decodes_with_cache
-                        for name in self.config.attention_per_layer()))
+                        for name in self.config.attention_per_block()))
 
     def new_caches(self):
         """One empty LayerCache per layer, to pass to forward() when decoding."""
@@ -585,9 +585,9 @@ class InductiveRows:
         if t is not None and token == self.sep_id:
             # A # closes the state: it becomes the previous state of a new group, read again
             # from position t (the appendix's "compute the key-value pairs again").
-            block = self.state[r] + [token]
-            self.group[r], self.position[r], self.state[r] = group + 1, t + len(block), []
-            return block, list(range(t, t + len(block))), [group + 1] * len(block)
+            reread = self.state[r] + [token]
+            self.group[r], self.position[r], self.state[r] = group + 1, t + len(reread), []
+            return reread, list(range(t, t + len(reread))), [group + 1] * len(reread)
         if t is None and token == self.start_id:  # Q is complete: states start at position t
             self.question[r], self.group[r] = position + 1, 1
         elif t is not None:
@@ -596,14 +596,14 @@ class InductiveRows:
         return [token], [position], [group]
 
 
-def left_padded(blocks, device):
-    """(tokens, positions, groups), each (B, L), from one (tokens, positions, groups) block per
-    row: shorter blocks padded on the left with entries of group DEAD, which no real token
-    sees, so every row's last column is its real last token."""
-    width = max(len(block[0]) for block in blocks)
-    rows = [[[0] * (width - len(block[0])) + block[0],
-             [0] * (width - len(block[0])) + block[1],
-             [DEAD] * (width - len(block[0])) + block[2]] for block in blocks]
+def left_padded(pending, device):
+    """(tokens, positions, groups), each (B, L), from the (tokens, positions, groups) each row
+    has yet to read: shorter rows padded on the left with entries of group DEAD, which no real
+    token sees, so every row's last column is its real last token."""
+    width = max(len(tokens) for tokens, _, _ in pending)
+    rows = [[[0] * (width - len(tokens)) + tokens,
+             [0] * (width - len(tokens)) + positions,
+             [DEAD] * (width - len(tokens)) + groups] for tokens, positions, groups in pending]
     return [torch.tensor([row[i] for row in rows], device=device) for i in range(3)]
 
 
@@ -627,15 +627,15 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
     model.eval()
     B, device = idx.size(0), idx.device
     rows, caches = InductiveRows(B, start_id, sep_id), model.new_caches() if use_cache else None
-    blocks = [([], [], []) for _ in range(B)]
+    pending = [([], [], []) for _ in range(B)]  # per row, what the model has yet to read
     for r, prompt in enumerate(idx.tolist()):  # the prompt, read as its tokens come
         for token in prompt:
-            for whole, part in zip(blocks[r], rows.step(r, token)):
+            for whole, part in zip(pending[r], rows.step(r, token)):
                 whole += part
-    chosen = []
+    step_logits = []
     for _ in range(max_new_tokens):
         if use_cache:  # what is new since the last step; each row's last column is its last token
-            tokens, positions, groups = left_padded(blocks, device)
+            tokens, positions, groups = left_padded(pending, device)
             last = torch.full((B,), tokens.size(1) - 1, device=device)
         else:          # everything, in the training form
             tokens, positions, groups, last = padded_training_forms(idx, start_id, sep_id)
@@ -647,15 +647,15 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
             forget(caches, torch.tensor(rows.group, device=device))
         next_token = model.pick_token(logits, temperature, top_k, generator)  # (B, 1)
         idx = torch.cat([idx, next_token], dim=1)
-        chosen.append(logits)
-        blocks = [rows.step(r, token) for r, token in enumerate(next_token[:, 0].tolist())]
-        if stop_token is not None and (idx[:, -len(chosen):] == stop_token).any(1).all():
+        step_logits.append(logits)
+        pending = [rows.step(r, token) for r, token in enumerate(next_token[:, 0].tolist())]
+        if stop_token is not None and (idx[:, -len(step_logits):] == stop_token).any(1).all():
             break
     model.train(was_training)
     if not return_logits:
         return idx
     no_logits = model.lm_head.weight.new_empty(B, 0, model.config.vocab_size)  # no step was taken
-    return idx, torch.stack(chosen, dim=1) if chosen else no_logits
+    return idx, torch.stack(step_logits, dim=1) if step_logits else no_logits
 
 
 def forget(caches, current_groups):

@@ -242,7 +242,7 @@ def parse_args(argv=None):
             config = model_config(args, task)
         check_model_for_task(args, task, config)
         if args.resume:
-            check_same_model(args, typed, task, config, checkpoint)
+            check_same_model(args, typed, config, checkpoint)
         args.device = pick_device(args.device)
     except ValueError as error:
         parser.error(str(error))
@@ -263,7 +263,7 @@ def check_numbers(args):
                              lr_decay_iters=1, warmup_iters=0, mimic_iters=0).items():
         if getattr(args, flag) < lowest:
             raise ValueError(f"--{flag} {getattr(args, flag)} must be at least {lowest}")
-    for flag in ("gamma", "lr", "min_lr", "beta1", "beta2", "weight_decay", "grad_clip", "dropout"):
+    for flag in ("lr", "min_lr", "beta1", "beta2", "weight_decay", "grad_clip", "dropout"):
         value = getattr(args, flag)
         # float32's largest: a rate past it is finite in Python and infinite in the optimizer
         if not value <= torch.finfo(torch.float32).max or value < 0 or (flag == "lr" and value == 0):
@@ -329,11 +329,11 @@ def check_model_for_task(args, task, config):
               else "")
     check_writer(args.task, config.causal, config.adaptive_depth, source)
     if args.mimic_iters and (config.n_head < 2 or not all(
-            ATTENTIONS[name].learned_maps for name in config.attention_per_layer())):
+            ATTENTIONS[name].learned_maps for name in config.attention_per_block())):
         raise ValueError(f"--mimic_iters{source} shapes the learned maps of heads 0 and 1 of each "
                          f"layer: it needs --n_head 2 or more, and an --attn whose heads learn "
                          f"their maps")
-    if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_layer()):
+    if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_block()):
         raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
 
 
@@ -341,7 +341,7 @@ def check_model_for_task(args, task, config):
 FIELD_FLAGS = {"adaptive_depth": "n_layer", "causal": "bidirectional"}
 
 
-def check_same_model(args, typed, task, config, checkpoint):
+def check_same_model(args, typed, config, checkpoint):
     """--resume: a ValueError naming the typed flags that would change the saved model. Without
     positions, block_size bounds nothing learned; without ChaCAL, gamma changes nothing."""
     saved = asdict(GPTConfig(**checkpoint["config"]))  # a field added since: its default
