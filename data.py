@@ -62,7 +62,7 @@ class Task:
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
         """Loss and accuracy on n_samples test sequences (fresh ones, unless the task keeps a
-        fixed test set: boxes, text), overall and per chain depth.
+        fixed test set: boxes and text score its first n_samples), overall and per chain depth.
         final: the last evaluation of a run, where a task may measure more."""
         batches = self.evaluation_batches(n_samples, batch_size, generator)
         return score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
@@ -702,7 +702,18 @@ class Boxes(Task):
 
     def sample(self, batch_size, generator=None, split="train"):
         rows = self.rows[split]
-        x = rows[torch.randint(len(rows), (batch_size,), generator=generator)].long()
+        return self.batch(rows[torch.randint(len(rows), (batch_size,), generator=generator)])
+
+    def evaluation_batches(self, n_samples, batch_size, generator):
+        """The first n_samples test rows in order, each once: the prompts write_answers answers,
+        so a greedy model's share of whole sequences right equals its exact match."""
+        rows = self.rows["test"][:n_samples]
+        for start in range(0, len(rows), batch_size):
+            yield self.batch(rows[start:start + batch_size])
+
+    def batch(self, rows):
+        """(x, y) of dataset rows (B, block_size)."""
+        x = rows.long()
         # Cut the padding every row of this batch shares: advanced rows average ~130 tokens in a
         # block of 384, so the trimmed batch costs a fraction of the full one, and scores the same.
         x = x[:, :int((x != PAD).sum(1).max())]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import data
-from data import (BOS, EOS, OBJECTS, PAD, SEP, VOCAB, box_sizes, decode, encode, generate_example,
+from data import (BOS, EOS, OBJECTS, PAD, SEP, TOKEN_IDS, VOCAB, box_sizes, decode, encode, generate_example,
                   get_task, parse_answer, render_answer, signature_split, simulate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -285,6 +285,46 @@ def test_written_answers_follow_the_test_prompts_in_order():
     answers = t.write_answers(SimulatorModel(), n=5, batch_size=2)  # batches of 2, 2 and 1
     assert answers == [t.prompt_and_answer(i)[1] for i in range(5)]
     assert all(t.score_answer(t.prompt_and_answer(i)[0], a)[0] for i, a in enumerate(answers))
+
+
+class HalfRightModel(SimulatorModel, torch.nn.Module):
+    """Right on the prompts whose token ids sum to an even number, wrong on the others, alike in
+    a forward pass (logits that pick the labels) and in generate (the simulator's answer)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+
+    @staticmethod
+    def right(prompt):
+        return sum(prompt) % 2 == 0
+
+    def forward(self, x, y):
+        labels = torch.where(y == -1, 0, y)
+        for r, row in enumerate(x.tolist()):
+            if not self.right(row[:row.index(SEP) + 1]):
+                labels[r] = (labels[r] + 1) % len(VOCAB)
+        logits = torch.nn.functional.one_hot(labels, len(VOCAB)).float()
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
+
+    def generate(self, prompts, max_new_tokens, temperature, use_cache, stop_token, prompt_lengths):
+        rows = super().generate(prompts, max_new_tokens, temperature, use_cache, stop_token, prompt_lengths)
+        for r, length in enumerate(prompt_lengths.tolist()):
+            if not self.right(prompts[r, :length].tolist()):
+                rows[r, length] = TOKEN_IDS["Box"] if rows[r, length] != TOKEN_IDS["Box"] else EOS
+        return rows
+
+
+def test_evaluation_scores_the_prompts_it_answers():
+    # Loss, accuracy and whole sequences are read on the prompts whose answers are written, so for
+    # a greedy model the share of whole sequences right is its exact match
+    t = task("advanced")
+    rows = [x for x, _ in t.evaluation_batches(30, 8, torch.Generator())]
+    assert [len(x) for x in rows] == [8, 8, 8, 6]
+    assert all(torch.equal(x[i], t.rows["test"][k * 8 + i, :x.size(1)].long())
+               for k, x in enumerate(rows) for i in range(len(x)))
+    metrics = t.evaluate(HalfRightModel(), 30, 8, torch.Generator())
+    right = sum(HalfRightModel.right(t.prompt_and_answer(i)[0].tolist()) for i in range(30)) / 30
+    assert 0 < right < 1 and metrics["eval_whole_sequences"] == metrics["eval_exact_match"] == right
 
 
 def test_answers_are_scored_by_their_deepest_box():
