@@ -94,7 +94,7 @@ class Task:
         return model.generate(idx, max_new_tokens, temperature=0, use_cache=use_cache,
                               stop_token=self.stop_token)
 
-    def predicted_answer(self, x, y, predictions):
+    def describe_predictions(self, x, y, predictions):
         """The line "model : <the model's tokens where y scores>" (y None: the solver's labels),
         each read with the true answer before it, and how many are right: for describe() of a
         task that writes answers."""
@@ -424,7 +424,8 @@ def _default_operations(rng, boxes, letters, n_ops, objects):
             source -= moved
             boxes[b2] |= moved
         elif op == "put":
-            n_items = _poisson(rng, 1)  # Kim & Schuster: Poisson(max(1, expected // 2)), at least 1
+            # Kim & Schuster's Poisson(max(1, expected // 2)), with their 2 items expected per box
+            n_items = _poisson(rng, 1)
             void = _void(boxes, objects)
             if n_items < 1 or len(source) + n_items > MAX_ITEMS or n_items > len(void):
                 continue
@@ -668,7 +669,8 @@ class Boxes(Task):
         sizes = (f"{s['n_boxes']}boxes-" + (f"{s['n_filled']}filled-" if s["n_filled"] else "")
                  + f"{s['n_objects']}objects-{s['min_ops']}to{s['max_ops']}ops")
         # The constants that shape an example, hashed into the name: edit one, get a new file.
-        rules = hashlib.sha256(repr((VOCAB, MAX_ITEMS, ADVANCED_MOVE_PROBABILITY)).encode())
+        rules = hashlib.sha256(repr((OBJECTS, LETTERS, VOCAB, MAX_ITEMS,
+                                     ADVANCED_MOVE_PROBABILITY)).encode())
         filename = (f"boxes-{version}-{sizes}-seed{seed}-{n_train}+{n_test}-"
                     f"{rules.hexdigest()[:8]}.pt")
         path = os.path.join(cache_dir, filename) if cache_dir else None
@@ -679,7 +681,10 @@ class Boxes(Task):
             data = {"train": self._generate(n_train, train_signatures, f"{seed}-train"),
                     "test": self._generate(n_test, test_signatures, f"{seed}-test")}
             longest = max(int((rows != PAD).sum(1).max()) for rows in data.values())
-            block_size = -(-longest // 64) * 64  # the longest example, rounded up to 64
+            # The longest example, rounded up to 64: the datasets of one configuration drawn with
+            # another --n_train or --data_seed then mostly share a block_size, so a model trained
+            # on one reads the other.
+            block_size = -(-longest // 64) * 64
             data = {name: rows[:, :block_size].clone() for name, rows in data.items()}
             if path:
                 os.makedirs(cache_dir, exist_ok=True)
@@ -770,8 +775,8 @@ class Boxes(Task):
         """How right a written answer is, against the simulator run on the prompt (ids <bos>..<sep>).
 
         Returns (exact, boxes): exact is True when the text is the expected answer word for word;
-        boxes is a list of (chain depth, right) for every box the expected answer names (all 7 in
-        the default version, the filled ones in the advanced), where right means the answer gives
+        boxes is a list of (chain depth, right) for every box the expected answer names (every box
+        in the default version, the filled ones in the advanced), where right means the answer gives
         that box exactly its contents. A clause that does not parse counts as missing, so a
         garbled answer scores the boxes it does state.
         """
@@ -858,7 +863,7 @@ class Boxes(Task):
         lines = [f"prompt: {decode(ids[1:sep])}",
                  f"truth : {self.render_answer(truth)}"]
         if predictions is not None:
-            lines.append(self.predicted_answer(x, y, predictions))
+            lines.append(self.describe_predictions(x, y, predictions))
         else:
             answer = decode(until_eos(ids[sep + 1:]))
             exact, boxes = self.score_answer(x[:sep + 1], answer)
@@ -1750,7 +1755,7 @@ class Cycles(Task):
         lines = [f"prompt: {self.decode(prompt)}",
                  f"truth : {self.decode(self.completion(prompt))}"]
         if predictions is not None:
-            lines.append(self.predicted_answer(x, y, predictions))
+            lines.append(self.describe_predictions(x, y, predictions))
         elif len(ids) > len(prompt):
             written = ids[len(prompt):]
             end = written.index(CYCLE_STOP) + 1 if CYCLE_STOP in written else len(written)
@@ -1770,8 +1775,8 @@ def python_docs_corpus(cache_dir="data_cache"):
     The help topics of pydoc_data (what help("assert") prints), sorted by name, then every
     docstring of 200 characters or more in the standard library's top-level modules, read from
     their source with ast (files by name; in a file, ast.walk's breadth-first order). The same
-    Python gives the same bytes; the file is written once, under a temporary name then renamed,
-    and its size and hash printed."""
+    Python gives the same bytes; the file is written once, under a temporary name then renamed
+    (Text prints its size and hash whenever it reads it)."""
     import ast
     import platform
     import sysconfig
@@ -1829,7 +1834,6 @@ class Text(Task):
     """
 
     generates_answer = True  # sample.py continues a prompt
-    stop_token = None
     train_defaults = {"n_layer": 4, "lr": 1e-3, "eval_samples": 256}
     flags = {"data": dict(help="text: a text file (read as bytes), or a .bin of GPT-2 token ids; "
                                 "default: English that ships with Python, built in data_cache/"),
@@ -1863,7 +1867,7 @@ class Text(Task):
             raise ValueError(f"--context {context}: the validation part of --data {path} (its "
                              f"last 10%, {n_test} tokens) must hold a window of context + 1; "
                              f"lower --context or give a longer file")
-        self.block_size, self.path = context, path
+        self.block_size = context
         # What was trained on, in one line: the default corpus differs between Pythons.
         unit = "GPT-2 tokens" if self.gpt2_tokens else "bytes"
         digest = "" if data is not None else f", sha256 {hashlib.sha256(self.ids).hexdigest()[:16]}"

@@ -390,8 +390,12 @@ def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
         get_task("boxes", **{**options, "data_seed": 2})
     with pytest.raises(AssertionError, match="generated again"):  # nor are new sizes
         get_task("boxes", **{**options, "n_boxes": 5, "n_objects": 20})
-    monkeypatch.setattr(data, "ADVANCED_MOVE_PROBABILITY", 0.5)
+    monkeypatch.setattr(data, "OBJECTS", data.OBJECTS[::-1])  # the same words, drawn otherwise
     with pytest.raises(AssertionError, match="generated again"):  # nor new rules
+        get_task("boxes", **options)
+    monkeypatch.setattr(data, "OBJECTS", data.OBJECTS[::-1])
+    monkeypatch.setattr(data, "ADVANCED_MOVE_PROBABILITY", 0.5)
+    with pytest.raises(AssertionError, match="generated again"):
         get_task("boxes", **options)
 
 
