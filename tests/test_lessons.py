@@ -197,6 +197,16 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
         common.train_many([TINY + out, TINY + out])
 
 
+def test_steps_to_is_the_first_evaluation_at_or_above_the_threshold():
+    run = {"metrics": [{"step": 1, "eval_acc": 0.5, "eval_acc_by_depth": {"3": 0.2}},
+                       {"step": 2, "eval_acc": 1.0, "eval_acc_by_depth": {"3": 0.9}},
+                       {"step": 3, "eval_acc": 1.0, "eval_acc_by_depth": {"3": 1.0}}]}
+    assert common.steps_to(run, 1.0) == 2 and common.steps_to(run, 0.5) == 1
+    assert common.steps_to(run, 0.9, "eval_acc_by_depth", depth=3) == 2
+    assert common.steps_to(run, 1.0, "eval_acc_by_depth", depth=3) == 3
+    assert common.steps_to(run, 1.01) is None
+
+
 def test_only_the_runs_taken_as_saved_are_named_beside_the_lesson_time():
     argvs = [["--out_dir", "a"], ["--out_dir", "b", "--resume"], ["--out_dir", "c", "--resume"]]
     runs = [{"final": {"train_time": seconds}} for seconds in (600.0, 90.0, 30.0)]

@@ -337,6 +337,7 @@ def test_cycles_block_size_is_the_longest_row_of_either_split(options, scratchpa
     (dict(cycle_n=5, cycle_distance=3), (5, 3)),  # the test split follows training's distance
     (dict(cycle_n=5, cycle_distance=3, test_cycle_distance=7), (5, 7)),
     (dict(cycle_n=3, cycle_distance=2, test_cycle_n=6), (6, 6)),  # a test n of its own: its default
+    (dict(cycle_n=5, cycle_distance=3, test_cycle_n=5), (5, 3)),  # training's n typed again
     (dict(cycle_n=4), (4, 4))])
 def test_cycles_test_split_sizes_default_to_the_training_splits(options, test_size):
     task = get_task("cycles", **options)

@@ -114,6 +114,18 @@ def test_a_bin_file_that_is_not_gpt2_token_ids_is_refused_naming_data(tmp_path):
     (tmp_path / "odd.bin").write_bytes(bytes(3001))
     with pytest.raises(ValueError, match="--data .*odd number of bytes"):
         get_task("text", data=str(tmp_path / "odd.bin"), context=32)
+    ids = np.full(3000, 50256, dtype=np.uint16)  # GPT-2's last id, <|endoftext|>: accepted
+    ids.tofile(tmp_path / "gpt2.bin")
+    assert get_task("text", data=str(tmp_path / "gpt2.bin"), context=32).vocab_size == 50257
+    ids[-1] = 50257  # one past it
+    ids.tofile(tmp_path / "one_past.bin")
+    with pytest.raises(ValueError, match="--data .*not GPT-2 token ids"):
+        get_task("text", data=str(tmp_path / "one_past.bin"), context=32)
+    ids = np.zeros((1 << 20) + 16, dtype=np.uint16)  # past the first million checked, the end is
+    ids[-1] = 60000
+    ids.tofile(tmp_path / "bad_end.bin")
+    with pytest.raises(ValueError, match="--data .*not GPT-2 token ids"):
+        get_task("text", data=str(tmp_path / "bad_end.bin"), context=32)
 
 
 def test_perplexity_is_exp_of_the_validation_loss(corpus):

@@ -264,6 +264,18 @@ def test_sample_reads_an_adaptive_depth_model_as_evaluation_does(tmp_path, monke
     assert not torch.allclose(by_prefix, whole)  # what reading token by token would have shown
 
 
+def test_sample_names_the_run_when_its_own_example_does_not_fit(tmp_path, capsys):
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    checkpoint["args"]["n_blocks"] = 5  # as if edited: the task now writes 20 tokens, not 16
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].startswith("sample.py: error: the run's test example: 20 tokens"), error  # no flag typed
+
+
 def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
     train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
     prompt = "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"  # values, then 3 blocks of pointers
@@ -594,6 +606,21 @@ def test_resume_names_the_typed_flags_that_change_the_model(tmp_path, capsys, ty
     assert f"has a different model {named}; drop those flags" in error
 
 
+CYCLES = ["--task", "cycles", "--cycle_n", "2", "--n_embd", "16", "--n_head", "2", "--batch_size", "4",
+          "--eval_samples", "4", "--no-progress", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("run, typed, named", [
+    (CYCLES, ["--cycle_n", "3"], "(--cycle_n)"),                     # it changes block_size only
+    (TINY + ["--attn", "standard"], ["--bidirectional"], "(--bidirectional)"),  # not "causal"
+])
+def test_resume_names_the_flag_behind_a_field_of_another_name(tmp_path, capsys, run, typed, named):
+    flags = run + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    error = one_error_line(capsys, flags + ["--resume"] + typed)
+    assert f"has a different model {named}; drop those flags" in error, error
+
+
 def test_resume_refuses_a_new_seed_or_mimicking_it_could_not_apply(tmp_path, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     train.main(flags)
@@ -811,13 +838,17 @@ BROKEN_CHECKPOINTS = {
 }
 
 
-@pytest.mark.parametrize("broken", list(BROKEN_CHECKPOINTS) + ["foreign"])
+@pytest.mark.parametrize("broken", list(BROKEN_CHECKPOINTS) + ["foreign", "no rng state"])
 def test_a_broken_checkpoint_is_one_line_for_resume_and_sample(tmp_path, broken, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     train.main(flags)
     path = tmp_path / "ckpt.pt"
     if broken == "foreign":
         torch.save({"weights": torch.zeros(3)}, path)
+    elif broken == "no rng state":  # a model sample.py can read, but not a run to resume
+        checkpoint = torch.load(path, weights_only=True)
+        del checkpoint["rng"]
+        torch.save(checkpoint, path)
     else:
         path.write_bytes(BROKEN_CHECKPOINTS[broken](path.read_bytes()))
     capsys.readouterr()
@@ -826,6 +857,8 @@ def test_a_broken_checkpoint_is_one_line_for_resume_and_sample(tmp_path, broken,
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and str(path) in error[0] and "delete it" in error[0]
     assert "weights_only" not in error[0]
+    if broken == "no rng state":
+        return
     result = run_script("sample.py", "--out_dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and str(path) in result.stderr
@@ -858,12 +891,15 @@ def test_a_damaged_boxes_cache_is_named_with_what_to_do(tmp_path, monkeypatch, c
              "--eval_samples", "2", "--no-progress", "--device", "cpu", "--out_dir", "run"]
     train.main(flags)
     cache = next((tmp_path / "data_cache").iterdir())
-    cache.write_bytes(cache.read_bytes()[:100])
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        train.main(flags)
-    error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and cache.name in error[0] and "delete it" in error[0]
+    good = cache.read_bytes()
+    for damage in (lambda: cache.write_bytes(good[:100]),  # cut short: torch.load fails
+                   lambda: torch.save({"train": torch.zeros(5), "test": torch.zeros(5)}, cache)):  # no rows
+        damage()
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            train.main(flags)
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and cache.name in error[0] and "delete it" in error[0], error
 
 
 def test_a_run_whose_max_iters_is_no_multiple_of_eval_interval_still_ends_evaluated(tmp_path):
