@@ -68,14 +68,16 @@ def main(argv=None):
         # tokenizer) says so here, before the model runs, rather than in a traceback after it
         flag = ("--prompt" if args.prompt is not None else "--length" if args.length is not None
                 else "the run's test example")
+        # A model that writes its answer stops at block_size, positions learned or not.
+        fix = ("shorten it" if task.generates_answer
+               else "a model trained with --pos none runs at any length")
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
             raise ValueError(f"{flag}: {x.size(1)} tokens, and this model has learned positions "
-                             f"up to {model.config.block_size}; a model trained with --pos none "
-                             f"runs at any length")
+                             f"up to {model.config.block_size}; {fix}")
         room = model.config.block_size - x.size(1)
         if task.generates_answer and room < 1:
             raise ValueError(f"{flag}: {x.size(1)} tokens leave no room to answer within "
-                             f"block_size {model.config.block_size}")
+                             f"block_size {model.config.block_size}; {fix}")
     except ValueError as error:
         parser.error(str(error))
     use_cache = not args.no_cache and model.can_cache()

@@ -231,6 +231,12 @@ def parse_args(argv=None):
             if args.resume and flag in typed and typed[flag] != checkpoint["args"].get(flag):
                 raise ValueError(f"--{flag}: the run in {args.out_dir} {why}; drop --{flag} "
                                  f"(or start a new --out_dir)")
+        if args.resume and args.max_iters < checkpoint["step"]:  # it would train nothing, silently
+            raise ValueError(f"--max_iters {args.max_iters}: the run in {args.out_dir} is at step "
+                             f"{checkpoint['step']} already; give more steps to go on, or drop "
+                             f"--resume to start again")
+        if args.init_from is not None and not args.init_from.strip():  # e.g. an empty variable
+            raise ValueError("--init_from is empty: give a run directory or a GPT-2 name, or drop it")
         # before building the task (boxes writes a dataset); --init_from's model, whose depth is
         # its own, is checked later
         check_writer(args.task, causal=not args.bidirectional,
@@ -304,8 +310,11 @@ def model_config(args, task):
     except (AttributeError, ValueError, OSError):  # no sysconf (Windows): the check is skipped
         memory = math.inf
     if needed > memory / 2:
+        sizes = ("--block_size, --n_embd or --n_layer" if args.block_size else "--n_embd or "
+                 f"--n_layer, or the task's sizes (its {config.block_size}-token sequences, "
+                 f"{config.vocab_size} tokens)")
         raise ValueError(f"this model needs about {needed / 2**30:.1f} GiB to train, more than "
-                         f"half of this machine's memory: lower --block_size, --n_embd or --n_layer")
+                         f"half of this machine's memory: lower {sizes}")
     return config
 
 
@@ -317,9 +326,10 @@ def check_writer(task_name, causal, adaptive, source=""):
         raise ValueError(f"--bidirectional{source}: task {task_name} is scored by generating its "
                          f"answer, and a bidirectional model would read the answer it writes")
     if adaptive:
+        fix = "start from a model of fixed depth" if source else "give --n_layer a number"
         raise ValueError(f"--n_layer auto{source}: task {task_name} writes its answer token by "
                          f"token, and adaptive depth would run each written token through fewer "
-                         f"layers than training gave it; give --n_layer a number")
+                         f"layers than training gave it; {fix}")
 
 
 def check_model_for_task(args, task, config):
@@ -383,6 +393,9 @@ def initial_weights(args, task, typed, checkpoint=None):
     # A path, not a model on the Hugging Face hub ("gpt2", "org/name"): no download is tried.
     looks_local = (os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
                    or os.path.isdir(os.path.dirname(name)))
+    if checkpoint is None and os.path.isfile(name):
+        raise ValueError(f"--init_from {name}: a file; give the run directory that holds ckpt.pt"
+                         + (f" ({os.path.dirname(name) or '.'})" if name.endswith("ckpt.pt") else ""))
     if checkpoint is None and os.path.exists(os.path.join(name, "ckpt.pt")):
         checkpoint = load_checkpoint(name, flag="--init_from", needs=())
     elif checkpoint is None and looks_local and not os.path.isfile(f"{name}/config.json"):

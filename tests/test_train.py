@@ -655,6 +655,34 @@ def test_init_from_names_the_flags_behind_a_model_it_cannot_become(tmp_path, cap
                               f"needs {need}; drop the flag, or start from other weights"), error
 
 
+def test_init_from_a_file_an_empty_value_or_an_adaptive_model_for_a_writer(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
+    train.main(flags + ["--out_dir", str(tmp_path / "source")])
+    error = one_error_line(capsys, flags + ["--init_from", str(tmp_path / "source" / "ckpt.pt")])
+    assert error.endswith(f"a file; give the run directory that holds ckpt.pt ({tmp_path / 'source'})")
+    error = one_error_line(capsys, flags + ["--init_from", ""])  # an empty shell variable, say
+    assert error.endswith("--init_from is empty: give a run directory or a GPT-2 name, or drop it")
+    train.main(flags + ["--share_weights", "--pos", "none", "--out_dir", str(tmp_path / "adaptive")])
+    # a toy model of 16 token ids, adaptive depth, read by cycles of 7 names (16 ids too)
+    error = one_error_line(capsys, ["--task", "cycles", "--cycle_n", "2", "--cycle_names", "7", "--init_from",
+                                    str(tmp_path / "adaptive"), "--out_dir", str(tmp_path / "cycles")])
+    assert "adaptive depth would run" in error and error.endswith("start from a model of fixed depth")
+
+
+def test_resume_refuses_fewer_steps_than_the_run_has_taken(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "4", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    assert train.main(flags + ["--resume"])["final"]["step"] == 4  # a finished run, taken as it is
+    error = one_error_line(capsys, flags + ["--resume", "--max_iters", "2"])
+    assert error.endswith(f"--max_iters 2: the run in {tmp_path} is at step 4 already; give more "
+                          f"steps to go on, or drop --resume to start again")
+
+
+def test_too_big_a_model_names_the_sizes_behind_it(capsys):
+    error = one_error_line(capsys, TINY + ["--n_embd", "65536", "--n_head", "1", "--n_layer", "64"])
+    assert "GiB to train" in error and "lower --n_embd or --n_layer, or the task's sizes" in error
+
+
 def test_init_from_a_shared_model_of_fixed_depth_for_a_task_that_writes(tmp_path):
     cycles = ["--task", "cycles", "--cycle_n", "2", "--attn", "standard", "--n_embd", "16",
               "--n_head", "2", "--batch_size", "4", "--eval_samples", "4", "--no-progress",
