@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import copies, generate_inductive, inductive_layout, training_form
+from model import copies, from_hub, generate_inductive, inductive_layout, training_form
 
 
 class Task:
@@ -339,14 +339,18 @@ def simulate(prompt):
         raise ValueError("boxes: the prompt is empty; start it with what each box holds")
     description, *operations = prompt.rstrip(".").split(". ")
     boxes, hops = {}, {}  # hops: implicit moves each item rode along with since it was named
-    for clause in (description[0].lower() + description[1:]).split(", "):
+    for clause in (description[:1].lower() + description[1:]).split(", "):
         if m := re.fullmatch(r"there is nothing in Box (\w)", clause):
-            boxes[m[1]] = set()
+            box, items = m[1], set()
         elif m := re.fullmatch(r"(.+) (?:is|are) in Box (\w)", clause):
-            boxes[m[2]] = _items(m[1])
-            hops.update(dict.fromkeys(boxes[m[2]], 0))
+            box, items = m[2], _items(m[1])
         else:
             raise ValueError(f"boxes: cannot read the description clause {clause!r}")
+        if box in boxes or items & set(hops):  # a second clause would overwrite the first
+            raise ValueError(f"boxes: the description says twice what is in Box {box}"
+                             if box in boxes else f"boxes: {clause!r} names an item already in a box")
+        boxes[box] = items
+        hops.update(dict.fromkeys(items, 0))
     for op in operations:
         if m := re.fullmatch(r"Move the contents of Box (\w) to Box (\w)", op):
             source, target, items = m[1], m[2], boxes.get(m[1], set())
@@ -1355,6 +1359,10 @@ class LEGO(Task):
         if n_supervised is not None and not 1 <= n_supervised <= n_vars:
             raise ValueError(f"--n_supervised {n_supervised} must lie in 1..{n_vars} (--n_vars), "
                              f"or be left unset to train on every chain position")
+        if supervise_last and (n_supervised or n_vars) >= n_vars - 1:
+            raise ValueError(f"--supervise_last adds the last chain position to #0..#k-1 of "
+                             f"--n_supervised k, with a gap between: it needs k below "
+                             f"{n_vars - 1} (--n_vars {n_vars} - 1)")
         self.group, self.n_vars = group, n_vars
         self.ops, self.value_words, images = LEGO_GROUPS[group]
         self.images = torch.tensor(images)                     # (ops, values)
@@ -1806,10 +1814,11 @@ def python_docs_corpus(cache_dir="data_cache"):
 def gpt2_tokenizer():
     try:
         import transformers
-        return transformers.AutoTokenizer.from_pretrained("gpt2")
+        return from_hub(transformers.AutoTokenizer, "gpt2")
     except Exception as error:  # not installed, or not downloaded and offline
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise ValueError(f"text: GPT-2 tokens need GPT-2's tokenizer (pip install "
-                         f"transformers, and a network once): {type(error).__name__}") from None
+                         f"transformers, and a network once): {reason}") from None
 
 
 class Text(Task):

@@ -181,11 +181,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def _load_gpt2(transformers, name):
-    """transformers' GPT2LMHeadModel `name`: from its cache, else downloaded. Offline and not
-    cached, an OSError at once; transformers itself would retry the download for half a minute."""
+def from_hub(loader, name):
+    """loader.from_pretrained(name) of transformers (GPT2LMHeadModel, AutoTokenizer): from its
+    cache, else downloaded. Offline and not cached, an OSError at once; transformers itself
+    would retry the download for half a minute."""
     try:
-        return transformers.GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
+        return loader.from_pretrained(name, local_files_only=True)
     except OSError:
         pass
     import socket
@@ -198,7 +199,7 @@ def _load_gpt2(transformers, name):
     except OSError as error:
         raise OSError(f"{name} is not in transformers' cache and {hub.hostname} cannot be "
                       f"reached to download it ({error})") from None
-    return transformers.GPT2LMHeadModel.from_pretrained(name)
+    return loader.from_pretrained(name)
 
 
 class GPT(nn.Module):
@@ -360,7 +361,7 @@ class GPT(nn.Module):
             raise ImportError("GPT.from_pretrained needs transformers: pip install transformers"
                               ) from None
         if isinstance(model, str):
-            model = _load_gpt2(transformers, model)
+            model = from_hub(transformers.GPT2LMHeadModel, model)
         if not isinstance(model, transformers.GPT2LMHeadModel):
             raise TypeError(f"GPT.from_pretrained: expected a model name or a GPT2LMHeadModel, "
                             f"got {type(model).__name__}")

@@ -103,6 +103,18 @@ def test_table_5_is_388_tokens_and_table_6_has_reference_chains():
     assert depth == dict(A=0, B=0, C=3, D=1, E=4, F=1, G=0, H=0)
 
 
+@pytest.mark.parametrize("prompt, error", [
+    (".", "cannot read the description clause ''"),
+    (". Move the contents of Box A to Box B.", "cannot read the description clause ''"),
+    ("The cup is in Box A, the cup is in Box B.", "'the cup is in Box B' names an item already in a box"),
+    ("The cup is in Box A, the key is in Box A.", "says twice what is in Box A"),
+    ("The cup is in Box A, there is nothing in Box A.", "says twice what is in Box A"),
+])
+def test_simulator_refuses_a_description_with_no_single_answer(prompt, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        simulate(prompt)
+
+
 def test_simulator_on_hand_written_cases():
     boxes, depth = simulate(TINY_PROMPT)
     assert render_answer(boxes) == TINY_ANSWER

@@ -533,3 +533,10 @@ def test_mimicking_targets_follow_their_definitions():
     torch.testing.assert_close(association[0], (equal + 1e-3) / (equal + 1e-3).sum(1, keepdim=True))
     _, causal_association = mimicking_targets(tokens, causal=True)
     assert (causal_association[0].triu(1) == 0).all()
+
+
+@pytest.mark.parametrize("n_supervised", [None, 5, 6])
+def test_supervise_last_with_no_gap_before_the_last_position_is_refused(n_supervised):
+    with pytest.raises(ValueError, match="--supervise_last .* needs k below 5"):
+        get_task("lego", n_vars=6, n_supervised=n_supervised, supervise_last=True)
+    get_task("lego", n_vars=6, n_supervised=4, supervise_last=True)  # #0..#3 and #5: a gap at #4

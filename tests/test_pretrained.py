@@ -7,6 +7,7 @@ import torch
 transformers = pytest.importorskip(
     "transformers", reason="GPT.from_pretrained is optional: pip install transformers")
 
+import data  # noqa: E402
 from model import GPT  # noqa: E402  (after the skip: model.py itself does not need transformers)
 
 VOCAB = 100
@@ -113,6 +114,24 @@ def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch):
     with pytest.raises(OSError, match=r"^gpt2 is not in transformers' cache and \S+ cannot be reached"):
         GPT.from_pretrained("gpt2")
     assert tries == [True]  # the download, which retries for half a minute, was never tried
+
+
+def test_gpt2_tokenizer_offline_and_not_cached_fails_at_once_saying_why(monkeypatch):
+    tries = []
+
+    def from_pretrained(name, local_files_only=False):
+        tries.append(local_files_only)
+        raise OSError(f"{name} not found")
+
+    def unreachable(address, timeout):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr("socket.create_connection", unreachable)
+    with pytest.raises(ValueError, match=r"GPT-2's tokenizer .*: gpt2 is not in transformers' cache "
+                                         r"and \S+ cannot be reached"):
+        data.gpt2_tokenizer()
+    assert tries == [True]
 
 
 def test_a_cached_name_is_read_without_the_network(monkeypatch):
