@@ -99,6 +99,10 @@ class GPTConfig:
             raise ValueError(f"--thickness {self.thickness} exceeds --n_layer {self.n_layer}: "
                              f"{idle} shared block{'s' * (idle > 1)} would never run; lower "
                              f"--thickness or raise --n_layer")
+        if not self.share_weights and self.thickness > self.n_layer:  # (--attn dilated, above)
+            raise ValueError(f"--thickness {self.thickness} exceeds --n_layer {self.n_layer}: "
+                             f"with {self.thickness} layers per dilation, every layer has "
+                             f"dilation 1 already; lower --thickness or raise --n_layer")
         if self.adaptive_depth and not self.share_weights:
             raise ValueError("--n_layer auto (adaptive depth) needs --share_weights: a depth that "
                              "grows with the input must reuse the same blocks")

@@ -199,7 +199,7 @@ def allowed_offsets(chunk, thickness, depth):
 
 @pytest.mark.parametrize("chunk, thickness", [(2, 1), (3, 1), (2, 2), (5, 1)])
 def test_dilated_mask_of_every_layer_matches_its_offsets(chunk, thickness):
-    config = GPTConfig(n_embd=8, n_head=2, attn="dilated", chunk=chunk, thickness=thickness)
+    config = GPTConfig(n_embd=8, n_head=2, n_layer=6, attn="dilated", chunk=chunk, thickness=thickness)
     attn = ATTENTIONS["dilated"](config)
     T = 40
     for depth in range(6):

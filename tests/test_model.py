@@ -223,6 +223,7 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(attn="dilated", causal=False), "--bidirectional"),
     (dict(attn="standard,chacal", share_weights=True, thickness=3), "--thickness"),
     (dict(share_weights=True, thickness=3, n_layer=2), "--thickness 3 exceeds --n_layer 2"),  # idle blocks
+    (dict(attn="dilated", thickness=3, n_layer=2), "--thickness 3 exceeds --n_layer 2"),  # as thickness 2
 ])
 def test_bad_configs_fail_at_construction_naming_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
