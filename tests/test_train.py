@@ -335,7 +335,7 @@ def test_bench_measures_every_section_at_a_tiny_size(capsys, monkeypatch):
     (step, _), = bench.medians_in_turns([bench.training_step("chacal", 16, 32, size, torch.float32,
                                                                "cpu")], "cpu", repeats=1)
     cached, recomputed = bench.bench_decode([("chacal", True), ("chacal", False)], 8, 2, size,
-                                            torch.float32, "cpu")
+                                            torch.float32, "cpu", repeats=1)
     assert t_std > 0 and t_cha > 0 and step > 0 and cached > 0 and recomputed > 0
     # Softmax attention's FLOPs are counted (a fused kernel would count 0): at a fixed number of
     # tokens, a longer sequence costs more in QKᵀ and AV and the same in every other layer.
