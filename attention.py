@@ -153,10 +153,11 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 
 
 # The blocked path's rows per block, and the number of new tokens from which chacal_attention
-# takes it unasked, both measured on a 2-core CPU (bench.py --long_only, table 6b, fp32, d 128):
-# forward + backward, blocks of 32 beat blocks of 64 or 128 up to T = 512 and match them beyond;
-# the one-solve path is faster up to T = 64 (its T x T matrices are still small there), the
-# blocked one from T = 128 on (0.8x the time at 128, 0.2-0.4x at 256).
+# takes it unasked, both measured on a 2-core CPU (fp32, d 128, forward + backward): timed with
+# block_size 32, 64 and 128, blocks of 32 beat the others up to T = 512 and match them beyond;
+# bench.py --long_only, table 6b, shows the switch: the one-solve path is faster up to T = 64
+# (its T x T matrices are still small there), the blocked one from T = 128 on (0.8x the time
+# at 128, 0.2-0.4x at 256).
 # A GPU has no entry: there the blocked path's Python loop of small solves, one launch after
 # another, is what costs. On an H100 (bf16, d 512) it took 1.4x the one solve's time at T = 32
 # and 3x at 512 (table 6b), and 3.3x at T = 8192 (table 6), where the one solve held 8.3 GB and
@@ -575,10 +576,11 @@ class SlidingDilatedAttention(CausalSelfAttention):
                           bias.masked_fill(~visible, float("-inf"))], dim=-1)
 
     def pad_in_front(self, x, which, count=1):
-        """x (B, nh, Tk, hs) with `count` copies of the pad's key (which=1) or value (which=2)
-        in front: (B, nh, count + Tk, hs)."""
+        """x (B, nh, Tk, hs) with `count` copies of the pad's "key" or "value" (which) in front:
+        (B, nh, count + Tk, hs)."""
         B, nh, _, hs = x.shape
-        pad = self.c_attn(self.pad).split(nh * hs)[which].view(1, nh, 1, hs)
+        q_k_v = self.c_attn(self.pad).split(nh * hs)
+        pad = q_k_v[{"key": 1, "value": 2}[which]].view(1, nh, 1, hs)
         return torch.cat([pad.expand(B, -1, count, -1).to(x.dtype), x], dim=-2)
 
     def padded_map(self, q, k, depth):
@@ -589,14 +591,15 @@ class SlidingDilatedAttention(CausalSelfAttention):
 
     def attention_map(self, q, k, token_ids, depth):
         """The weights on the tokens, (B, nh, T, T); what a row lacks of 1 went to the pad."""
-        return self.padded_map(q, self.pad_in_front(k, 1), depth)[..., 1:]
+        return self.padded_map(q, self.pad_in_front(k, "key"), depth)[..., 1:]
 
     def mix(self, q, k, v, cache, depth, groups=None):
         if cache is not None:
             cache.append(k, v)
             k, v = cache.keys, cache.values
         if not self.fused:  # the readable path: the masked T x T map above
-            return self.padded_map(q, self.pad_in_front(k, 1), depth) @ self.pad_in_front(v, 2)
+            weights = self.padded_map(q, self.pad_in_front(k, "key"), depth)
+            return weights @ self.pad_in_front(v, "value")
         # The fast path reads each query's C entries and nothing else: O(T·C) work where the
         # mask costs O(T²), which matters at the test lengths (T = 500, 9 levels). With `reach`
         # pads in front, the entries at step s of all queries are one contiguous slice, shifted
@@ -604,7 +607,7 @@ class SlidingDilatedAttention(CausalSelfAttention):
         n_queries, n_keys = q.size(-2), k.size(-2)
         dilation = self.dilation(depth)
         reach = min((self.chunk - 1) * dilation, n_keys)
-        k, v = self.pad_in_front(k, 1, reach), self.pad_in_front(v, 2, reach)
+        k, v = self.pad_in_front(k, "key", reach), self.pad_in_front(v, "value", reach)
         end = reach + n_keys  # one past the last query's own entry
         shifts = [min(step * dilation, reach) for step in range(self.chunk)]
 

@@ -3,7 +3,7 @@ Run a trained model on one example of its task and print its answers beside the 
 
     python sample.py                          # a fresh test example of the run in out/
     python sample.py --prompt "5 9 1 0 ..."   # your own input (toy: token ids; boxes: the prompt text)
-    python sample.py --no_cache               # recompute the whole prefix for every token (slow path)
+    python sample.py --no-cache               # recompute the whole prefix for every token (slow path)
     python sample.py --out_dir out-parity --length 300   # a regular language, past its training lengths
     python sample.py --out_dir out-text --prompt "The assert statement"   # text: a continuation
 
@@ -16,6 +16,7 @@ The cache changes only the speed. A bidirectional model, or one that cannot keep
 under adaptive depth a shorter prefix would run through fewer layers.
 """
 
+import argparse
 import os
 import time
 
@@ -50,8 +51,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh example")
     parser.add_argument("--length", type=int, default=None, help="regular languages: length of "
                         "the fresh example (default: a training length); longer tests extrapolation")
-    parser.add_argument("--no_cache", action="store_true",
-                        help="recompute the whole prefix for every token instead of caching")
+    parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="read each new token with the cache (--no-cache: recompute the whole "
+                        "prefix for every token)")
     parser.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     args = parser.parse_args(argv)
     try:
@@ -80,7 +82,7 @@ def main(argv=None):
                              f"block_size {model.config.block_size}; {fix}")
     except ValueError as error:
         parser.error(str(error))
-    use_cache = not args.no_cache and model.can_cache()
+    use_cache = args.cache and model.can_cache()
     print(f"{run['task']}, {model.config.describe()}, step {checkpoint['step']}:")
     x = x.to(device)
     if task.generates_answer:

@@ -1,14 +1,16 @@
 """
 What the lesson notebooks share: their set-up, and running many trainings for a table.
 
-    from common import SCALE, DEVICE, OUT, describe_setup, train_many, reuse_if_saved
+    from common import SCALE, REUSE, DEVICE, OUT, describe_setup, train_many, reuse_if_saved
     from common import steps_to, trained_model, claim, report  # reading runs, the claims cell
+    from common import taken_as_saved  # the runs a lesson took as saved, for its time line
     from common import TOY_TABLE, toy_table_flags, blind_guess  # lessons 00 and 01's toy task
 
 SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
 laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
 NANOCHACAL_REUSE=1 continues the runs an interruption stopped and takes finished ones as they are
-(any other value: every run starts over). Runs go under out/ (out/gpu, out/smoke at those scales).
+(any other value: every run starts over, except the toy-task runs lessons 00 and 01 share, which
+either lesson takes as the other saved them). Runs go under out/ (out/gpu, out/smoke at those scales).
 """
 
 import concurrent.futures
@@ -96,7 +98,7 @@ def claim(ok, text, numbers=None):
 
 
 def report(text, numbers):
-    """A line for what an issue asks to report with no threshold to pass."""
+    """A claims-cell line for a figure reported with no threshold to pass: `· text: numbers`."""
     print(f"· {text}: {numbers}")
 
 

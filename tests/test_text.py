@@ -173,7 +173,7 @@ def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_
     assert final["eval_loss"] < math.log(256)  # it learned something of the words
     capsys.readouterr()
     texts = []
-    for extra in ([], ["--no_cache"]):
+    for extra in ([], ["--no-cache"]):
         sample.main(["--out_dir", str(tmp_path), "--prompt", "the cat", "--device", "cpu"] + extra)
         out = capsys.readouterr().out
         assert "--- prompt (7 tokens) ---\nthe cat\n--- continuation (9 tokens) ---" in out

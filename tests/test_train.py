@@ -224,7 +224,7 @@ def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, cap
 def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path, model):  # cannot cache
     train.main(TINY + model + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
     cached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3")
-    uncached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3", "--no_cache")
+    uncached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3", "--no-cache")
     assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
     # The cache where the model keeps one; LEGO attention and adaptive depth keep none, and read
     # the whole sequence in one pass (as evaluation does) whether or not the cache is asked for.
