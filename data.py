@@ -647,7 +647,8 @@ class Boxes(Task):
                                    "operations (default), or 8 boxes and 1-31 operations, every "
                                    "move implicit"),
              "n_train": dict(type=int, help="boxes: training examples, cached in data_cache/ (2000)"),
-             "n_test": dict(type=int, help="boxes: test examples, no initial state in both (500)"),
+             "n_test": dict(type=int, help="boxes: test examples, whose starting counts of items "
+                            "per box training never has (500)"),
              "n_boxes": dict(type=int, help="boxes: boxes A.. in a prompt, 2-8 (7 default, 8 "
                              "advanced)"),
              "n_filled": dict(type=int, help="boxes advanced: boxes holding an item at the start "

@@ -101,7 +101,7 @@ def main(argv=None):
         scored = truth != -1
         print(task.describe(x[0].cpu(), truth[0], predictions[0]))
         print(f"accuracy {(predictions[scored] == truth[scored]).float().mean().item():.2%}")
-        how = f"read one at a time after a {n_prompt}-token prompt"
+        how = f"read one at a time after the {n_prompt}-token prompt"
     if n_tokens:
         path = "with the cache" if use_cache else "no cache, recomputing the prefix"
         print(f"{n_tokens} tokens {how}: {n_tokens / seconds:.0f} tokens/s on {device} ({path})")
