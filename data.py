@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import copies, from_hub, generate_inductive, inductive_layout, training_form
+from model import (copies, first_line, from_hub, generate_inductive, inductive_layout,
+                   training_form)
 
 
 class Task:
@@ -1817,9 +1818,8 @@ def gpt2_tokenizer():
         import transformers
         return from_hub(transformers.AutoTokenizer, "gpt2")
     except Exception as error:  # not installed, or not downloaded and offline
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise ValueError(f"text: GPT-2 tokens need GPT-2's tokenizer (pip install "
-                         f"transformers, and a network once): {reason}") from None
+                         f"transformers, and a network once): {first_line(error)}") from None
 
 
 class Text(Task):

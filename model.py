@@ -185,6 +185,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def first_line(error):
+    """What a one-line refusal quotes of an exception from transformers (whose messages run to
+    paragraphs): its message's first line, at most 200 characters, or its type's name."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 def from_hub(loader, name):
     """loader.from_pretrained(name) of transformers (GPT2LMHeadModel, AutoTokenizer): from its
     cache, else downloaded. Offline and not cached, an OSError at once; transformers itself

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from attention import ATTENTIONS, NO_GROUPS, mimic
 from data import TASKS, task_class, task_flags, task_from_settings, write_whole
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, first_line
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -405,9 +405,8 @@ def initial_weights(args, task, typed, checkpoint=None):
         try:
             gpt2 = GPT.from_pretrained(args.init_from)
         except (ImportError, OSError) as error:
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
             raise ValueError(f"--init_from {args.init_from}: not a run directory, nor a GPT-2 "
-                             f"that transformers can load ({reason})") from None
+                             f"that transformers can load ({first_line(error)})") from None
         checkpoint = {"config": asdict(gpt2.config), "model": gpt2.state_dict()}
     swap = dict(attn=args.attn, gamma=args.gamma, dropout=args.dropout)
     if checkpoint["config"].get("pos") == "none":  # no position table: block_size bounds nothing
