@@ -7,7 +7,8 @@ one run.
 
 Seven tables:
 1. the attention core alone (forward + backward), standard (fused SDPA) vs ChaCAL (its
-   automatic path: on a CPU the blocked solve from T = 128), at growing sequence lengths with the number of tokens per batch held fixed;
+   automatic path: on a CPU the blocked solve from T = 128), at growing sequence lengths with
+   the number of tokens per batch held fixed;
 2. a whole one-layer model's training step (forward, backward, AdamW), same lengths;
 3. decoding tokens/s: standard with its KV cache, ChaCAL with its mixed-value cache, and ChaCAL
    re-solving the whole prefix for every token (what decoding would cost without the cache);
@@ -30,14 +31,14 @@ only (PyTorch tracks no CPU peak); table 6 measures it on a CPU too, from the pe
 memory of a fresh process per case. The paths a table compares are timed in turns, so that
 other work on the machine, or a GPU's changing clock, slows them alike.
 
-The targets printed beside the figures are this project's; none is a number from the papers. A ChaCAL training step at most 1.35x a standard one (on a GPU: the
-ChaCAL paper's Table 2 has a ChaCAL model train in 1.36x the time of a standard one of the same
-depth); cached decoding at least 0.9x as fast as standard's (the mixed-value cache makes a
-token one attention row, as standard's KV cache does); at T = 4096 the blocked solve within 2x
-fused attention's memory and 1/10 of the one solve's (memory linear in T), and on a CPU within
-4x fused attention's time (a GPU keeps the one solve); the automatic path at most 1.1x the one
-solve at every T of table 6b; 99.9% within 15 s (the toy task is
-a matter of seconds on a GPU).
+The targets printed beside the figures are this project's; none is a number from the papers. A
+ChaCAL training step at most 1.35x a standard one (on a GPU: the ChaCAL paper's Table 2 has a
+ChaCAL model train in 1.36x the time of a standard one of the same depth); cached decoding at
+least 0.9x as fast as standard's (the mixed-value cache makes a token one attention row, as
+standard's KV cache does); at T = 4096 the blocked solve within 2x fused attention's memory and
+1/10 of the one solve's (memory linear in T), and on a CPU within 4x fused attention's time (a
+GPU keeps the one solve); the automatic path at most 1.1x the one solve at every T of table 6b;
+99.9% within 15 s (the toy task is a matter of seconds on a GPU).
 """
 
 import os
@@ -236,9 +237,10 @@ def long_sequences(lengths, size, dtype, device, repeats):
     """Table 6: time and peak memory of forward + backward for the three paths at each length;
     returns {T: {path: (seconds, MiB)}}."""
     n_head, head_size = size["n_head"], size["n_embd"] // size["n_head"]
+    long_repeats = min(repeats, 3)  # beyond T = 2048 one case takes seconds
     print(f"\n6. long sequences, attention core forward + backward, one sequence, {n_head} heads of "
           f"{head_size} (fused = standard SDPA; blocked ChaCAL: blocks of {CHACAL_BLOCK_SIZE} rows; "
-          f"fastest of {repeats} runs in turns up to T = 2048, of {min(repeats, 3)} beyond; peak MiB "
+          f"fastest of {repeats} runs in turns up to T = 2048, of {long_repeats} beyond; peak MiB "
           f"beyond the inputs)")
     print(f"{'T':>6}" + "".join(f" {path + ' ms':>13} {path + ' MiB':>14}" for path in LONG_PATHS)
           + f" {'blocked/fused ms, MiB':>22} {'blocked/one-solve ms, MiB':>26}")
@@ -246,7 +248,7 @@ def long_sequences(lengths, size, dtype, device, repeats):
     for T in lengths:
         q, k, v = long_core_inputs(T, n_head, head_size, dtype, device)
         runs = in_turns([lambda path=path: long_core_step(path, q, k, v) for path in LONG_PATHS],
-                        device, repeats if T <= 2048 else min(repeats, 3))  # seconds each
+                        device, repeats if T <= 2048 else long_repeats)
         results[T] = {path: (seconds[0], peak_memory(path, T, n_head, head_size, dtype, device))
                       for path, (seconds, _) in zip(LONG_PATHS, runs)}
         (t_f, m_f), (t_o, m_o), (t_b, m_b) = (results[T][path] for path in LONG_PATHS)

@@ -10,7 +10,8 @@ SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" 
 laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
 NANOCHACAL_REUSE=1 continues the runs an interruption stopped and takes finished ones as they are
 (any other value: every run starts over, except the toy-task runs lessons 00 and 01 share, which
-either lesson takes as the other saved them). Runs go under out/ (out/gpu, out/smoke at those scales).
+either lesson takes as the other saved them). Runs go under out/ (out/gpu, out/smoke at those
+scales).
 """
 
 import concurrent.futures
