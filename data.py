@@ -52,6 +52,7 @@ class Task:
     train_defaults = {}        # train.py settings this task needs other than train.py's defaults
     broadcast_ids = ()         # token ids that LEGO attention lets every token read
     generates_answer = False   # the model writes an answer after a prompt (needs a causal model)
+    labels_from_later = False  # a label depends on tokens after it (needs a bidirectional model)
     stop_token = None          # such a task's last token: generation stops once every row wrote it
     prompt_length = None       # sample.py: tokens read at once before decoding one at a time
     grouped = False            # layout() gives attention groups: the attention must take them
@@ -1323,8 +1324,8 @@ class LEGO(Task):
     b = +1 = 1 is the root (chain #0), c = -b = 0 is #1, a = -c = 1 is #2. Labels sit on each
     clause's first token, its left-hand variable; chain_depth(x) gives its chain position
     there and -1 elsewhere. The first clause, a's, needs c, written after it: a causal model
-    cannot know a when it reads it, so LEGO wants a bidirectional, BERT-like model (train.py
-    --bidirectional), as in the paper.
+    cannot know a when it reads it, so LEGO needs a bidirectional, BERT-like model, as in the
+    paper: train.py refuses a run without --bidirectional.
 
     Worked example, s3, n = 3: [CLS] b = p201 c , a = p012 120 , c = p021 a , [SEP], the chain
     a -> c -> b. The root gives a = 120 (0->1, 1->2, 2->0). c = p021·a applies a, then p021
@@ -1343,6 +1344,7 @@ class LEGO(Task):
     Sentences are fresh every batch (the paper draws a fixed 120k set once).
     """
 
+    labels_from_later = True  # a clause's label sits on its first token, before its op and argument
     flags = {"group": dict(choices=["z2", "s3"],
                            help="lego: Task 1 (+/- on 0, 1) or 2 (S3 acting on itself) (z2)"),
              "n_vars": dict(type=int, help="lego: clauses (variables) per sentence (12)"),

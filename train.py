@@ -338,6 +338,10 @@ def check_model_for_task(args, task, config):
     source = (f" (the model of --init_from {args.init_from})" if args.init_from and not args.resume
               else "")
     check_writer(args.task, config.causal, config.adaptive_depth, source)
+    if config.causal and task.labels_from_later:
+        fix = "start from a bidirectional model" if source else "add --bidirectional"
+        raise ValueError(f"--bidirectional is missing{source}: task {args.task} labels a token by "
+                         f"what is written after it, which a causal model never reads; {fix}")
     if args.mimic_iters and (config.n_head < 2 or not all(
             ATTENTIONS[name].learned_maps for name in config.attention_per_block())):
         raise ValueError(f"--mimic_iters{source} shapes the learned maps of heads 0 and 1 of each "

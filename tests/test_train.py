@@ -162,6 +162,7 @@ BAD_FLAGS = [
     (["--task", "parity", "--n_blocks", "4"], "--n_blocks"),
     (["--attn", "dilated", "--bidirectional"], "--bidirectional"),
     (["--task", "boxes", "--bidirectional"], "--bidirectional"),
+    (["--task", "lego"], "--bidirectional"),  # its labels sit before what decides them
     (["--task", "boxes", "--share_weights"], "--n_layer auto"),  # adaptive depth, written answer
     (["--task", "cycles", "--share_weights", "--n_layer", "auto"], "--n_layer auto"),
     (["--share_weights", "--n_layer", "4", "--min_train_layers", "6"], "--min_train_layers"),
@@ -564,6 +565,14 @@ def test_init_from_checks_the_model_it_takes_in_against_the_task(tmp_path, capsy
     error = one_error_line(capsys, toy + ["--mimic_iters", "2", "--out_dir", str(tmp_path / "m"),
                                           "--init_from", str(tmp_path / "one_head")])
     assert "--mimic_iters (the model of --init_from" in error and "--n_head 2" in error
+    lego = toy[6:] + ["--task", "lego", "--n_vars", "4", "--n_head", "2"]
+    train.main(lego + ["--bidirectional", "--out_dir", str(tmp_path / "lego")])
+    saved = torch.load(tmp_path / "lego" / "ckpt.pt", weights_only=False)
+    saved["config"]["causal"] = True  # a causal model of LEGO's tokens, as an older version saved
+    torch.save(saved, tmp_path / "lego" / "ckpt.pt")
+    error = one_error_line(capsys, lego + ["--init_from", str(tmp_path / "lego"),
+                                           "--out_dir", str(tmp_path / "lego_next")])
+    assert "--bidirectional is missing (the model of --init_from" in error
 
 
 def test_init_from_takes_adaptive_depth_and_any_length_as_typed_again(tmp_path):
