@@ -1619,12 +1619,17 @@ class Cycles(Task):
         return [CYCLE_START] if self.scratchpad == "inductive" else []
 
     @staticmethod
+    def successors(prompt):
+        """(each node's successor, A, B) as a prompt's token ids give them: edges, then query."""
+        query = prompt.index(CYCLE_QUERY)
+        successor = {prompt[i]: prompt[i + 2] for i in range(0, query - 1, 4)}
+        return successor, prompt[query - 1], prompt[query + 1]
+
+    @staticmethod
     def walk(prompt):
         """(nodes after A, connected) by brute force: follow the prompt's edges from A until B
         (connected) or A again (two cycles)."""
-        query = prompt.index(CYCLE_QUERY)
-        successor = {prompt[i]: prompt[i + 2] for i in range(0, query - 1, 4)}
-        a, b = prompt[query - 1], prompt[query + 1]
+        successor, a, b = Cycles.successors(prompt)
         nodes = [successor[a]]
         while nodes[-1] not in (a, b):
             if len(nodes) > len(successor):  # only a typed prompt can be anything but cycles
@@ -1735,13 +1740,15 @@ class Cycles(Task):
                                  f"v0..v{self.n_names - 1}, and > ; ?)")
             ids = [self.token_ids[word] for word in prompt.split()]
             ids = ids[:-1] if ids[-1:] == [CYCLE_START] else ids
-            try:
-                if not self.well_formed(ids):
-                    raise ValueError
-                self.walk(ids)
-            except (ValueError, KeyError, IndexError):
+            well_formed = self.well_formed(ids)
+            if well_formed:
+                try:  # a typed graph may still not be cycles: its walk may leave it or never end
+                    self.walk(ids)
+                except (ValueError, KeyError):
+                    well_formed = False
+            if not well_formed:
                 raise ValueError("--prompt: expected edges 'vX > vY ;' where every node has one "
-                                 "successor, then the query 'vA ? vB ;'") from None
+                                 "successor, then the query 'vA ? vB ;'")
             ids += self._start()
         return torch.tensor([ids]), len(ids)
 
