@@ -181,7 +181,7 @@ def test_bidirectional_chacal_equals_explicit_inverse(gamma):
     torch.testing.assert_close(chacal_attention(q, k, v, gamma, causal=False), expected)
 
 
-@pytest.mark.parametrize("name", ["standard", "chacal"])
+@pytest.mark.parametrize("name", ["standard", "chacal", "chacal_diagonal"])
 def test_bidirectional_attention_lets_a_later_token_change_earlier_outputs(name):
     torch.manual_seed(0)
     attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=False)).double()
@@ -289,11 +289,14 @@ def test_chacal_attention_map_is_the_explicit_inverse(causal, T):
 
 
 @pytest.mark.parametrize("name, causal", [("standard", True), ("standard", False), ("chacal", True),
-                                          ("chacal", False), ("dilated", True)])  # dilated: causal only
+                                          ("chacal", False), ("chacal_diagonal", True),
+                                          ("chacal_diagonal", False),
+                                          ("dilated", True)])  # dilated: causal only
 def test_attention_map_times_values_is_the_output(name, causal):
     torch.manual_seed(0)
     attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=causal)).double()
-    attn.fused = name == "standard"  # standard's readable path is the map itself: check it on SDPA
+    # Their readable paths are the map itself: check them on SDPA, and on dilated's C entries
+    attn.fused = name in ("standard", "dilated")
     q, k, v = random_qkv(B=2, nh=2, T=9, hs=8)
     weights = attn.attention_map(q, k, None, 2)
     expected = weights @ v

@@ -1,13 +1,21 @@
 """The GPT: decoding with the cache against the full forward pass, sizes, and bad configs."""
 
+import itertools
 import sys
 
 import pytest
 import torch
 
+import attention
 from model import GPT, GPTConfig, adaptive_levels
 
 ATTENTION_STACKS = ["standard", "chacal", "standard,chacal", "dilated,chacal,dilated", "chacal_diagonal"]
+# Beside them, for the cache: two blocks reused over five depths (each depth keeps a cache of its
+# own), and Sliding-Dilated-Attention at chunk 3, two layers per dilation (1, 1, 3, 3, 9, 9):
+# the last two reach 18 tokens back, past the start of a short cache.
+CACHED_STACKS = [(attn, {}) for attn in ATTENTION_STACKS] + [
+    ("standard,chacal", dict(share_weights=True, thickness=2, n_layer=5)),
+    ("dilated", dict(chunk=3, thickness=2, n_layer=6))]
 
 
 def small_model(attn, seed=0, **overrides):
@@ -27,9 +35,9 @@ def decoded_with_cache(model, idx, prompt_length):
     return torch.cat(pieces, dim=1)
 
 
-@pytest.mark.parametrize("attn", ATTENTION_STACKS)
-def test_cached_decoding_equals_full_forward(attn):
-    model = small_model(attn)
+@pytest.mark.parametrize("attn, options", CACHED_STACKS)
+def test_cached_decoding_equals_full_forward(attn, options):
+    model = small_model(attn, **options)
     idx = torch.randint(0, 30, (3, 25), generator=torch.Generator().manual_seed(1))
     full, _ = model(idx)
     torch.testing.assert_close(decoded_with_cache(model, idx, 10), full, rtol=1e-10, atol=1e-10)
@@ -51,15 +59,38 @@ def test_post_norm_blocks_decode_with_a_cache_and_normalise_their_output():
     torch.testing.assert_close(decoded_with_cache(model, idx, 7), full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("attn", ATTENTION_STACKS)
-def test_prefill_then_continue_equals_one_solve(attn):
+def test_prefill_then_continue_equals_one_solve(attn, fused):
     model = small_model(attn)
+    for block in model.transformer.h:  # False: the readable paths, against a cache too
+        block.attn.fused = fused
     idx = torch.randint(0, 30, (2, 30), generator=torch.Generator().manual_seed(2))
     full, _ = model(idx)
     caches = model.new_caches()
     first, _ = model(idx[:, :13], caches=caches)
     rest, _ = model(idx[:, 13:], caches=caches)                  # 17 tokens in one block
     torch.testing.assert_close(torch.cat([first, rest], dim=1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("blocks", [[135], [10, 135]])
+def test_cached_decoding_through_the_blocked_chacal_path_equals_full_forward(blocks, monkeypatch):
+    # ChaCAL solves block by block from CHACAL_BLOCKED_FROM["cpu"] = 128 new tokens on: a
+    # prefill that long, or a block that long after a short prefill (the earlier tokens then
+    # enter from the cache); then one token at a time up to 150.
+    continued = []  # for each blocked solve: whether it continued a cache
+    apply = attention.BlockedChaCAL.apply
+    monkeypatch.setattr(attention.BlockedChaCAL, "apply",
+                        lambda *args: continued.append(args[3] is not None) or apply(*args))
+    model = small_model("standard,chacal", block_size=200)
+    idx = torch.randint(0, 30, (2, 150), generator=torch.Generator().manual_seed(5))
+    full, _ = model(idx)
+    ends = list(itertools.accumulate(blocks)) + list(range(sum(blocks) + 1, 151))
+    caches = model.new_caches()
+    cached = torch.cat([model(idx[:, start:end], caches=caches)[0]
+                        for start, end in zip([0] + ends, ends)], dim=1)
+    torch.testing.assert_close(cached, full, rtol=1e-10, atol=1e-10)
+    assert continued == [False, len(blocks) > 1]  # the full pass's solve, then the cache's
 
 
 @pytest.mark.parametrize("attn", ATTENTION_STACKS)
@@ -169,6 +200,21 @@ def test_a_training_step_and_decoding_under_bf16_autocast(attn):
     # The GPU default: bf16 autocast (ChaCAL solves in float32). Checked here on the CPU's bf16
     # (tests/test_cuda.py: on a GPU).
     bf16_step_and_decoding(attn, "cpu")
+
+
+@pytest.mark.parametrize("attn", [attn for attn in BF16_ATTENTIONS if not attn.startswith("lego")])
+def test_cached_decoding_under_bf16_autocast_stays_near_the_full_forward(attn):
+    # Xavier's N(0, 1) embeddings give logits up to ~2 that follow the attention (GPT-2's init
+    # gives ~0.6, nearly blind to it). bf16 rounding puts the two apart by 0.016 at most and
+    # 0.001 on average; a cache that left γy_t out of ChaCAL's m_t, by 0.007 on average.
+    model = small_model(attn, weight_init="xavier").float()
+    idx = torch.randint(0, 30, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, _ = model(idx)
+        cached = decoded_with_cache(model, idx, 4)
+    difference = (cached.float() - full.float()).abs()
+    assert cached.dtype == full.dtype == torch.bfloat16
+    assert difference.max() < 0.08 and difference.mean() < 0.005
 
 
 def test_loss_ignores_targets_of_minus_one():
@@ -335,6 +381,17 @@ def test_shared_blocks_take_turns_in_order():
         block.register_forward_hook(lambda module, args, out, index=index: ran.append(index))
     model(torch.zeros(1, 8, dtype=torch.long))
     assert len(model.transformer.h) == 2 and ran == [0, 1, 0, 1, 0]
+
+
+def test_a_shared_block_is_told_the_depth_it_runs_at():
+    # Sliding-Dilated-Attention picks its dilation from the depth: one block reused at four
+    # depths must be told 0, 1, 2, 3, not its own index among the blocks.
+    model = small_model("dilated", share_weights=True, n_layer=4)
+    seen = []
+    model.transformer.h[0].attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["depth"]), with_kwargs=True)
+    model(torch.zeros(1, 8, dtype=torch.long))
+    assert seen == [0, 1, 2, 3]
 
 
 def test_gpt2_init_scales_the_residual_projections_by_depth():
