@@ -130,13 +130,13 @@ def test_simulator_on_hand_written_cases():
     _, depth = simulate("The egg is in Box A, there is nothing in Box B. Move the contents of Box A "
                         "to Box B. Remove the egg from Box B. Put the egg into Box A.")
     assert depth == dict(A=0, B=0)
-    for bad in ["The egg is in Box A. Remove the fan from Box A.",      # not in the box
-                "The egg is in Box A. Remove the egg and the fan from Box A.",  # partly
-                "The egg is in Box A. Put the egg into Box B.",         # already in a box
-                "The egg is in Box A. Move the contents of Box B to Box A.",  # nothing to move
-                "The egg is in Box A. Shake Box A."]:                   # not an operation
-        with pytest.raises(ValueError):
-            simulate(bad)
+    for bad, error in [("Remove the fan from Box A", "takes what is not in Box A"),  # not in it
+                       ("Remove the egg and the fan from Box A", "takes what is not in Box A"),  # partly
+                       ("Put the egg into Box B", "puts an item that is already in a box"),
+                       ("Move the contents of Box B to Box A", "takes what is not in Box B"),  # nothing
+                       ("Shake Box A", "cannot read the operation 'Shake Box A'")]:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            simulate(f"The egg is in Box A. {bad}.")
 
 
 def test_default_generator_follows_the_rules():

@@ -41,7 +41,7 @@ def test_toy_blocks_permute_the_previous_block_positions():
 
 def test_toy_chain_depth_is_the_block_number():
     task = get_task("toy")
-    x, _ = task.sample(2)
+    x, _ = task.sample(2, torch.Generator().manual_seed(0))
     depth = task.chain_depth(x)
     assert depth.shape == x.shape
     assert depth[0, :8].eq(0).all() and depth[0, 8:16].eq(1).all() and depth[0, -1] == 15
@@ -70,8 +70,9 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
     task = get_task("toy", n_blocks=4, block_len=4)
     x, n_prompt = task.example(None, prompt="5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10")
     assert x.shape == (1, 16) and n_prompt == 4
-    fresh, _ = task.example(torch.Generator().manual_seed(0))
-    assert torch.equal(task.solve(fresh)[:, 4:] >= 0, torch.ones(1, 12, dtype=torch.bool))
+    fresh, n_prompt = task.example(torch.Generator().manual_seed(0))  # a test sequence, drawn
+    drawn, labels = task.sample(1, torch.Generator().manual_seed(0), split="test")
+    assert torch.equal(fresh, drawn) and n_prompt == 4 and torch.equal(task.solve(fresh), labels)
     for bad in ["1 2 3", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 x", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 ²",
                 "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 " + "9" * 23, "5 9 1 0 9 2 1 0 7 5 6 4 8 9 11 10",
                 "5 9 1 0 3 2 1 4 7 5 6 4 8 9 11 10"]:  # last two: a pointer out of the block before
@@ -109,6 +110,39 @@ def test_evaluate_counts_whole_sequences_and_depths():
     flawed = evaluate(Oracle(task.vocab_size, wrong_rows=[0, 3]))  # 2 of 8 rows, 1 token each
     assert flawed["eval_whole_sequences"] == 6 / 8
     assert flawed["eval_acc_by_depth"] == {"1": 1.0, "2": 1.0, "3": 30 / 32}
+
+
+class Lookup(torch.nn.Module):
+    """Stands in for a model: fixed random logits per token id, and the model's loss, the mean
+    cross-entropy over the targets that are not -1."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.table = 3 * torch.randn(vocab_size, vocab_size, generator=generator)
+
+    def forward(self, x, y):
+        logits = self.table[x]
+        return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(),
+                                                         ignore_index=-1)
+
+
+def test_eval_loss_and_accuracy_are_means_over_every_scored_token_of_all_batches():
+    # Batches of 3, 1 and 5 rows with 12, 8 and 5 scored tokens: each batch's mean loss weighs
+    # as many tokens as it scored, so the whole is one cross-entropy over all of them at once.
+    generator = torch.Generator().manual_seed(1)
+    batches = []
+    for rows, scored in [(3, 4), (1, 8), (5, 1)]:
+        x, y = (torch.randint(0, 4, (rows, 8), generator=generator) for _ in range(2))
+        batches.append((x, y.index_fill(1, torch.arange(8 - scored), -1)))
+    model = Lookup(4)
+    scores = data.score_batches(model, batches, torch.zeros_like, lambda x: {})
+    logits = torch.cat([model.table[x].flatten(0, 1) for x, _ in batches])
+    targets = torch.cat([y.flatten() for _, y in batches])
+    expected = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-1)
+    assert scores["eval_loss"] == pytest.approx(expected.item(), rel=1e-6)
+    hits = (logits.argmax(dim=-1) == targets).sum().item()
+    assert hits > 0 and scores["eval_acc"] == pytest.approx(hits / 25)
 
 
 def test_evaluate_scores_every_sample_asked_for(monkeypatch):

@@ -133,6 +133,34 @@ def test_vocabularies_and_what_the_model_is_built_for():
     assert s3.decode(s3.encode("p021 210")) == "p021 210"
 
 
+# The chain followed apart from the task's solver, with each group's action written out.
+
+def resolve(words, act):
+    """{variable: value word} of one sentence (its words, [CLS] .. [SEP]): start at the clause
+    whose argument is a value, then follow the chain, setting each variable to act(op, the
+    value before it), on words."""
+    clauses = [words[s:s + 5] for s in range(1, len(words) - 1, 5)]
+    reading = {clause[3]: clause for clause in clauses}  # the clause that reads each argument
+    clause = next(clause for clause in clauses if clause[3] not in {c[0] for c in clauses})
+    values = {clause[0]: act(clause[2], clause[3])}
+    while clause[0] in reading:
+        previous, clause = clause[0], reading[clause[0]]
+        values[clause[0]] = act(clause[2], values[previous])
+    assert len(values) == len(clauses)
+    return values
+
+
+def test_z2_labels_match_a_resolver_where_plus_keeps_and_minus_flips():
+    # Task 1 by its definition, apart from LEGO.apply and the images table: - is XOR with 1.
+    task = get_task("lego", group="z2")
+    x, y = task.sample(100, torch.Generator().manual_seed(0), split="test")  # every clause scored
+    for ids, labels in zip(x.tolist(), y.tolist()):
+        words = [task.vocab[i] for i in ids]
+        values = resolve(words, lambda op, value: str(int(value) ^ (op == "-")))
+        assert [task.vocab[labels[t]] for t in range(1, len(words) - 1, 5)] == \
+               [values[words[t]] for t in range(1, len(words) - 1, 5)]
+
+
 # S3 by brute force: every element a tuple (p(0), p(1), p(2)) from itertools, products written out.
 
 def element(word):
@@ -151,18 +179,9 @@ def right_product(g, x):
 
 
 def resolve_s3(words, product):
-    """{variable: value word} of one sentence (its words, [CLS] .. [SEP]): start at the clause
-    whose argument is a value, then follow the chain, setting each variable to product(op, the
-    value before it)."""
-    clauses = [words[s:s + 5] for s in range(1, len(words) - 1, 5)]
-    reading = {clause[3]: clause for clause in clauses}  # the clause that reads each argument
-    clause = next(clause for clause in clauses if clause[3] not in {c[0] for c in clauses})
-    values = {clause[0]: product(element(clause[2]), element(clause[3]))}
-    while clause[0] in reading:
-        previous, clause = clause[0], reading[clause[0]]
-        values[clause[0]] = product(element(clause[2]), values[previous])
-    assert len(values) == len(clauses)
-    return {variable: "".join(map(str, value)) for variable, value in values.items()}
+    """resolve() in S3: each variable is product(op, the value before it), as permutations."""
+    return resolve(words, lambda op, value: "".join(map(str, product(element(op),
+                                                                     element(value)))))
 
 
 def test_s3_acts_on_itself_its_ops_and_values_are_the_six_permutations():

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from data import get_task
+from data import Tomita, get_task
 
 SEQUENCE_TASKS = ["even_pairs", "parity", "cycle_navigation", "modular_arithmetic"]
 RECOGNITION_TASKS = ["d2", "d3", "d4", "d12", "tomita3", "tomita4", "tomita5", "tomita6"]
@@ -168,6 +168,23 @@ def test_recognition_batches_are_balanced_or_one_class(name):
                    for row, label in zip(x.tolist(), y[:, -1].tolist())
                    if task.vocab[label] == "yes"]
         assert all(members)
+
+
+@pytest.mark.parametrize("name", RECOGNITION_TASKS)
+def test_the_dfa_accepts_exactly_the_members_among_every_string_up_to_length_12(name):
+    # Two routes to one language: the DFA that sample() walks, and is_member, which labels.
+    task = get_task(name)
+    # Tomita's accepting states are listed beside its table; D_n accepts in state 0 (depth 0)
+    accepting = torch.zeros(len(task.transitions), dtype=torch.bool)
+    accepting[Tomita.DFAS[task.number][1] if name.startswith("tomita") else 0] = True
+    for length in range(13):
+        strings = all_strings(task, length)
+        state = torch.zeros(len(strings), dtype=torch.long)
+        for t in range(length):
+            state = task.transitions[state, strings[:, t]]
+        members = [task.is_member("".join(task.symbols[i] for i in row))
+                   for row in strings.tolist()]
+        assert accepting[state].tolist() == members, f"{name} at length {length}"
 
 
 def test_known_single_class_lengths():

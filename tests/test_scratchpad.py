@@ -264,15 +264,18 @@ def expected_completion(words, scratchpad, n, distance):
 def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scratchpad):
     """Independent of the task's own walk and row builder (which sample() and solve() share):
     the text after each prompt is what walking its edges gives, and y, as solve() gives it too,
-    scores exactly the next word outside the prompt, the copies of states and the padding."""
+    scores exactly the next word outside the prompt, the copies of states and the padding. The
+    chain depth of a scored word is the walk's length: `distance` to B, or n back to A."""
     task = get_task("cycles", scratchpad=scratchpad, **options)
     for split in ("train", "test"):
         x, y = task.sample(16, torch.Generator().manual_seed(2), split=split)
         assert torch.equal(task.solve(x), y)
-        for row, labels in zip(x.tolist(), y.tolist()):
+        n, distance = task.sizes[split]
+        for row, labels, depths in zip(x.tolist(), y.tolist(), task.chain_depth(x).tolist()):
             words = [task.vocab[i] for i in row]
             n_prompt = words.index("?") + 3 + (scratchpad == "inductive")  # ... ; then ":"
-            completion = expected_completion(words, scratchpad, *task.sizes[split])
+            completion = expected_completion(words, scratchpad, n, distance)
+            walked = distance if completion[-2] == "1" else n  # the walk by hand met B, or A again
             end = n_prompt + len(completion)
             assert words[n_prompt:end] == completion and set(words[end:]) <= {"<pad>"}
             scored = [labels[t] != -1 for t in range(len(row))]
@@ -282,6 +285,7 @@ def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scra
                 should = n_prompt - 1 <= t < end - 1 and not copy[t + 1]
                 assert scored[t] == should, (words, t)
                 assert not should or labels[t] == row[t + 1]
+                assert depths[t] == (walked if should else -1)
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
