@@ -339,7 +339,8 @@ def check_model_for_task(args, task, config):
               else "")
     check_writer(args.task, config.causal, config.adaptive_depth, source)
     if config.causal and task.labels_from_later:
-        fix = "start from a bidirectional model" if source else "add --bidirectional"
+        fix = ("start from a bidirectional model" if source else "start a new --out_dir with "
+               "--bidirectional" if args.resume else "add --bidirectional")
         raise ValueError(f"--bidirectional is missing{source}: task {args.task} labels a token by "
                          f"what is written after it, which a causal model never reads; {fix}")
     if args.mimic_iters and (config.n_head < 2 or not all(

@@ -573,6 +573,10 @@ def test_init_from_checks_the_model_it_takes_in_against_the_task(tmp_path, capsy
     error = one_error_line(capsys, lego + ["--init_from", str(tmp_path / "lego"),
                                            "--out_dir", str(tmp_path / "lego_next")])
     assert "--bidirectional is missing (the model of --init_from" in error
+    saved["args"]["bidirectional"] = False
+    torch.save(saved, tmp_path / "lego" / "ckpt.pt")
+    error = one_error_line(capsys, ["--resume", "--out_dir", str(tmp_path / "lego")])
+    assert "--bidirectional is missing" in error and "start a new --out_dir" in error
 
 
 def test_init_from_takes_adaptive_depth_and_any_length_as_typed_again(tmp_path):
