@@ -239,7 +239,7 @@ class GPT(nn.Module):
             self.init_xavier()
 
     def init_xavier(self):
-        """PyTorch's defaults (nn.Transformer's and nn.Embedding's): untied N(0, 1) token and
+        """nn.Transformer's and nn.Embedding's initialisation: untied N(0, 1) token and
         position embeddings, Xavier-uniform linear maps in the blocks, the head nn.Linear's own.
         GPT-2's N(0, 0.02) was chosen for d 768; at d 64 the tokens' own signal is small beside
         what the blocks write into the stream, and lookups by token identity come late or not

@@ -81,8 +81,9 @@ def build_parser():
     add("--dropout", type=float, default=0.0, help="dropout on embeddings and residual branches")
     add("--block_size", type=int, help="longest sequence the model accepts; default: the task's")
     add("--weight_init", default="gpt2", choices=["gpt2", "xavier"], help="gpt2: tied embeddings, "
-        "N(0, 0.02) weights; xavier: untied N(0, 1) embeddings, Xavier weights (PyTorch's "
-        "defaults), with which small models learn lookups by token identity sooner")
+        "N(0, 0.02) weights; xavier: untied N(0, 1) embeddings, Xavier weights (as nn.Embedding "
+        "and nn.Transformer draw them), with which small models learn lookups by token identity "
+        "sooner")
     # Task options: each task declares its own (data.Task.flags); a flag goes to the task's
     # constructor, whose default (in brackets) applies when it is left unset.
     add = parser.add_argument_group("task options (left unset: the task's default)").add_argument
