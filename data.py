@@ -1619,7 +1619,7 @@ class Cycles(Task):
         return [CYCLE_START] if self.scratchpad == "inductive" else []
 
     @staticmethod
-    def successors(prompt):
+    def graph_and_query(prompt):
         """(each node's successor, A, B) as a prompt's token ids give them: edges, then query."""
         query = prompt.index(CYCLE_QUERY)
         successor = {prompt[i]: prompt[i + 2] for i in range(0, query - 1, 4)}
@@ -1629,7 +1629,7 @@ class Cycles(Task):
     def walk(prompt):
         """(nodes after A, connected) by brute force: follow the prompt's edges from A until B
         (connected) or A again (two cycles)."""
-        successor, a, b = Cycles.successors(prompt)
+        successor, a, b = Cycles.graph_and_query(prompt)
         nodes = [successor[a]]
         while nodes[-1] not in (a, b):
             if len(nodes) > len(successor):  # only a typed prompt can be anything but cycles
