@@ -295,7 +295,7 @@ def test_chacal_attention_map_is_the_explicit_inverse(causal, T):
 def test_attention_map_times_values_is_the_output(name, causal):
     torch.manual_seed(0)
     attn = ATTENTIONS[name](GPTConfig(n_embd=16, n_head=2, attn=name, causal=causal)).double()
-    # Their readable paths are the map itself: check them on SDPA, and on dilated's C entries
+    # fused: the map against the fast path (SDPA for standard, the C-entry gather for dilated)
     attn.fused = name in ("standard", "dilated")
     q, k, v = random_qkv(B=2, nh=2, T=9, hs=8)
     weights = attn.attention_map(q, k, None, 2)

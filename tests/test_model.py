@@ -75,9 +75,10 @@ def test_prefill_then_continue_equals_one_solve(attn, fused):
 
 @pytest.mark.parametrize("blocks", [[135], [10, 135]])
 def test_cached_decoding_through_the_blocked_chacal_path_equals_full_forward(blocks, monkeypatch):
-    # ChaCAL solves block by block from CHACAL_BLOCKED_FROM["cpu"] = 128 new tokens on: a
-    # prefill that long, or a block that long after a short prefill (the earlier tokens then
-    # enter from the cache); then one token at a time up to 150.
+    # ChaCAL solves block by block from CHACAL_BLOCKED_FROM["cpu"] new tokens on (pinned at 128
+    # here, whatever it is tuned to): a prefill that long, or a block that long after a short
+    # prefill (the earlier tokens then enter from the cache); then one token at a time up to 150.
+    monkeypatch.setitem(attention.CHACAL_BLOCKED_FROM, "cpu", 128)
     continued = []  # for each blocked solve: whether it continued a cache
     apply = attention.BlockedChaCAL.apply
     monkeypatch.setattr(attention.BlockedChaCAL, "apply",
