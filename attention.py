@@ -330,7 +330,7 @@ NO_GROUPS = ("--attn {attn} cannot take the inductive scratchpad's group masks (
              "inductive); use --attn standard or chacal")
 
 
-class CausalSelfAttention(nn.Module):
+class StandardAttention(nn.Module):
     """Standard multi-head self-attention, as in GPT-2.
 
         A = softmax(Q Kᵀ / √hs + M),   Y = A V,   out = concat_heads(Y) W_o
@@ -419,7 +419,7 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-class ChaCALAttention(CausalSelfAttention):
+class ChaCALAttention(StandardAttention):
     """ChaCAL, Chain and Causal Attention (Fagnou et al. 2024, Section 4, Eq. 5-9).
 
         Y = (1-γ)·(I - γA')⁻¹·A·V,   A' = A minus its diagonal,   γ ∈ [0, 1)
@@ -511,7 +511,7 @@ class ChaCALKeepDiagonal(ChaCALAttention):
         return chacal_keep_diagonal(q, k, v, self.gamma, past_k, past_mixed, causal=self.causal)
 
 
-class SlidingDilatedAttention(CausalSelfAttention):
+class SlidingDilatedAttention(StandardAttention):
     """Sliding-Dilated-Attention, the attention of RegularGPT (Chi et al. 2023, Section 3.1).
 
     Layer j looks back only at the offsets {0, d, 2d, ..., (C-1)·d}, with chunk size C and
@@ -620,7 +620,7 @@ class SlidingDilatedAttention(CausalSelfAttention):
         return torch.einsum("bhms,bhmsd->bhmd", weights, at_each_step(v))
 
 
-class LEGOAttention(CausalSelfAttention):
+class LEGOAttention(StandardAttention):
     """LEGO attention v0 (Zhang et al. 2022, Section 5, Figure 8): heads whose maps are read off
     the token ids, and a convolution, in place of learned queries and keys.
 
@@ -833,7 +833,7 @@ def mimic(model, batches, lr, betas, autocast=contextlib.nullcontext()):
 
 # The --attn name of each variant.
 ATTENTIONS = {
-    "standard": CausalSelfAttention,
+    "standard": StandardAttention,
     "chacal": ChaCALAttention,
     "chacal_diagonal": ChaCALKeepDiagonal,
     "dilated": SlidingDilatedAttention,

@@ -248,7 +248,7 @@ def test_gpt2_parameter_names():
 def test_mixed_stack_builds_each_attention_per_layer():
     model = small_model("standard,chacal")
     kinds = [type(block.attn).__name__ for block in model.transformer.h]
-    assert kinds == ["CausalSelfAttention", "ChaCALAttention"]
+    assert kinds == ["StandardAttention", "ChaCALAttention"]
 
 
 @pytest.mark.parametrize("options, flag", [
