@@ -72,7 +72,7 @@ def standard_attention(q, k, v, causal=True, visible=None):
 
 
 def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, visible=None,
-                     block_size=None):
+                     rows_per_block=None):
     """ChaCAL: Y = (1-γ)·(I - γA')⁻¹·A·V, where A' = A with its diagonal removed.
 
     Computed without any inverse, as the unit lower-triangular system of the paper's Eq. 7, with
@@ -98,10 +98,10 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
     the readable reference, and the faster one for short sequences. The blocked path
     (`BlockedChaCAL`) applies the same row equation to one block of queries at a time, the
     earlier blocks entering through their keys and mixed values exactly as a cache does, and
-    recomputes A in its backward: O(T·hs) memory instead of O(T²). `block_size` is the number of
-    query rows per block; 0 takes the one-solve path, and None picks by device: the blocked
-    path (with CHACAL_BLOCK_SIZE) from CHACAL_BLOCKED_FROM[device type] new tokens on, where it
-    is also the faster one, and the one-solve path on a device without an entry.
+    recomputes A in its backward: O(T·hs) memory instead of O(T²). `rows_per_block` is the
+    number of query rows per block; 0 takes the one-solve path, and None picks by device: the
+    blocked path (CHACAL_ROWS_PER_BLOCK rows) from CHACAL_BLOCKED_FROM[device type] new tokens
+    on, where it is also the faster one, and the one-solve path on a device without an entry.
 
     Without the causal mask (a bidirectional model, as for LEGO) the system is dense; it stays
     solvable because every row of γA' sums to at most γ < 1, so I - γA' is diagonally dominant.
@@ -120,21 +120,21 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
     if not 0.0 <= gamma < 1.0:
         raise ValueError(f"gamma={gamma} is outside [0, 1): the bidirectional solve needs γ < 1, "
                          f"and (1-γ) keeps every row of the map summing to at most 1")
-    if block_size is None:
+    if rows_per_block is None:
         long = q.size(-2) >= CHACAL_BLOCKED_FROM.get(q.device.type, math.inf)
-        block_size = CHACAL_BLOCK_SIZE if causal and visible is None and long else 0
-    if block_size and (not causal or visible is not None):
+        rows_per_block = CHACAL_ROWS_PER_BLOCK if causal and visible is None and long else 0
+    if rows_per_block and (not causal or visible is not None):
         raise ValueError("the blocked ChaCAL path is causal, without a mask (a bidirectional "
-                         "system is dense); pass block_size=None or 0")
+                         "system is dense); pass rows_per_block=None or 0")
     if not causal and past_k is not None:
         raise ValueError("a bidirectional ChaCAL layer has no cache: it sees every token")
     dtype = torch.promote_types(v.dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        if block_size:
+        if rows_per_block:
             if past_k is not None:
                 past_k, past_mixed = past_k.to(dtype), past_mixed.to(dtype)
-            return BlockedChaCAL.apply(q, k, v, past_k, past_mixed, gamma, block_size)
+            return BlockedChaCAL.apply(q, k, v, past_k, past_mixed, gamma, rows_per_block)
         values = (1 - gamma) * v                                   # what a new token contributes
         if past_k is not None:
             k = torch.cat([past_k.to(dtype), k], dim=-2)           # (B, nh, Tp+Tq, hs)
@@ -154,7 +154,7 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 
 # The blocked path's rows per block, and the number of new tokens from which chacal_attention
 # takes it unasked, both measured on a 2-core CPU (fp32, d 128, forward + backward): timed with
-# block_size 32, 64 and 128, blocks of 32 beat the others up to T = 512 and match them beyond;
+# blocks of 32, 64 and 128 rows, blocks of 32 beat the others up to T = 512 and match them beyond;
 # bench.py --long_only, table 6b, shows the switch: the one-solve path is faster up to T = 64
 # (its T x T matrices are still small there), the blocked one from T = 128 on (0.8x the time
 # at 128, 0.2-0.4x at 256).
@@ -163,7 +163,7 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 # and 3x at 512 (table 6b), and 3.3x at T = 8192 (table 6), where the one solve held 8.3 GB and
 # the blocked path 160 MiB. A GPU run whose T x T maps do not fit in its memory gives "cuda" an
 # entry here.
-CHACAL_BLOCK_SIZE = 32
+CHACAL_ROWS_PER_BLOCK = 32
 CHACAL_BLOCKED_FROM = {"cpu": 128}
 
 
@@ -222,7 +222,7 @@ class BlockedChaCAL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_mixed, gamma, block_size):
+    def forward(ctx, q, k, v, past_k, past_mixed, gamma, rows_per_block):
         n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=-2)     # (B, nh, Tp+Tq, hs)
         # Filled block by block; as wide as v, which need not be hs (attention_map solves against I).
@@ -231,8 +231,8 @@ class BlockedChaCAL(torch.autograd.Function):
             mixed[..., :n_past, :] = past_mixed
         y = torch.empty_like(v)                                             # (B, nh, Tq, hs)
         log_normaliser = v.new_empty(*v.shape[:-1], 1)                      # (B, nh, Tq, 1)
-        for start in range(0, n_new, block_size):
-            stop = min(start + block_size, n_new)
+        for start in range(0, n_new, rows_per_block):
+            stop = min(start + rows_per_block, n_new)
             earlier, end = n_past + start, n_past + stop
             A, log_normaliser[..., start:stop, :] = block_weights(q[..., start:stop, :],
                                                                   keys[..., :end, :])
@@ -244,14 +244,14 @@ class BlockedChaCAL(torch.autograd.Function):
             y[..., start:stop, :] = y_block
             mixed[..., earlier:end, :] = torch.lerp(v[..., start:stop, :], y_block, gamma)
         ctx.save_for_backward(q, k, v, past_k, past_mixed, y, log_normaliser)
-        ctx.gamma, ctx.block_size = gamma, block_size
+        ctx.gamma, ctx.rows_per_block = gamma, rows_per_block
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
         q, k, v, past_k, past_mixed, y, log_normaliser = ctx.saved_tensors
-        gamma, block_size = ctx.gamma, ctx.block_size
+        gamma, rows_per_block = ctx.gamma, ctx.rows_per_block
         scale = 1 / math.sqrt(q.size(-1))
         n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
         keys, mixed = keys_and_mixed_values(k, v, y, gamma, past_k, past_mixed)  # (B, nh, Tp+Tq, .)
@@ -260,8 +260,8 @@ class BlockedChaCAL(torch.autograd.Function):
         # dM_j = Σ_{t>j} A_tj R_t over the blocks done so far. Once a block is done its own rows
         # are never read again, so they take its dV: the memory of one tensor saved.
         grad_mixed = torch.zeros_like(mixed)
-        for start in reversed(range(0, n_new, block_size)):
-            stop = min(start + block_size, n_new)
+        for start in reversed(range(0, n_new, rows_per_block)):
+            stop = min(start + rows_per_block, n_new)
             earlier, end = n_past + start, n_past + stop
             q_block = q[..., start:stop, :]                                 # (B, nh, n, hs)
             A, _ = block_weights(q_block, keys[..., :end, :],

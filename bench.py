@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import train
-from attention import CHACAL_BLOCK_SIZE, CHACAL_BLOCKED_FROM, chacal_attention
+from attention import CHACAL_ROWS_PER_BLOCK, CHACAL_BLOCKED_FROM, chacal_attention
 from model import GPT, GPTConfig
 from train import DEVICE_HELP, DEVICES, OneLineErrors, pick_device, synchronize
 
@@ -183,8 +183,8 @@ def long_core_step(path, q, k, v):
     """Forward + backward of one attention core: fused standard attention or a ChaCAL path."""
     if path == "fused":
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    else:  # block_size 0 is the one-solve path
-        y = chacal_attention(q, k, v, 0.9, block_size=CHACAL_BLOCK_SIZE if path == "blocked" else 0)
+    else:  # rows_per_block 0 is the one-solve path
+        y = chacal_attention(q, k, v, 0.9, rows_per_block=CHACAL_ROWS_PER_BLOCK if path == "blocked" else 0)
     y.sum().backward()
 
 
@@ -239,7 +239,7 @@ def long_sequences(lengths, size, dtype, device, repeats):
     n_head, head_size = size["n_head"], size["n_embd"] // size["n_head"]
     long_repeats = min(repeats, 3)  # beyond T = 2048 one case takes seconds
     print(f"\n6. long sequences, attention core forward + backward, one sequence, {n_head} heads of "
-          f"{head_size} (fused = standard SDPA; blocked ChaCAL: blocks of {CHACAL_BLOCK_SIZE} rows; "
+          f"{head_size} (fused = standard SDPA; blocked ChaCAL: blocks of {CHACAL_ROWS_PER_BLOCK} rows; "
           f"fastest of {repeats} runs in turns up to T = 2048, of {long_repeats} beyond; peak MiB "
           f"beyond the inputs)")
     print(f"{'T':>6}" + "".join(f" {path + ' ms':>13} {path + ' MiB':>14}" for path in LONG_PATHS)
@@ -284,8 +284,8 @@ def short_sequences(lengths, tokens, size, dtype, device, repeats):
         shape = (max(1, tokens // T), n_head, T, head_size)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         one_solve, blocked, auto = (seconds[0] for seconds, _ in in_turns(
-            [lambda block_size=block_size: chacal_attention(q, k, v, 0.9, block_size=block_size)
-             .sum().backward() for block_size in (0, CHACAL_BLOCK_SIZE, None)], device, repeats))
+            [lambda rows=rows: chacal_attention(q, k, v, 0.9, rows_per_block=rows).sum().backward()
+             for rows in (0, CHACAL_ROWS_PER_BLOCK, None)], device, repeats))
         print(f"{T:>6} {one_solve * 1e3:>13.1f} {blocked * 1e3:>11.1f} {auto * 1e3:>9.1f} "
               f"{auto / one_solve:>14.2f}x")
         worst = max(worst, auto / one_solve)

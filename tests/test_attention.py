@@ -340,35 +340,35 @@ def cached_prefix(q, k, v, gamma, n_past):
     return k[:, :, :n_past], (1 - gamma) * v[:, :, :n_past] + gamma * first
 
 
-@pytest.mark.parametrize("block_size", [3, 4, 5, 7, 12])
+@pytest.mark.parametrize("rows_per_block", [3, 4, 5, 7, 12])
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 0.99])
 @pytest.mark.parametrize("n_past", [0, 4])
-def test_blocked_chacal_equals_explicit_inverse_and_one_solve(block_size, gamma, n_past):
+def test_blocked_chacal_equals_explicit_inverse_and_one_solve(rows_per_block, gamma, n_past):
     q, k, v = random_qkv(T=12)
     expected = explicit_chacal(q, k, v, gamma)[:, :, n_past:]
     past_k, past_mixed = cached_prefix(q, k, v, gamma, n_past) if n_past else (None, None)
     new = [x[:, :, n_past:] for x in (q, k, v)]
-    blocked = chacal_attention(*new, gamma, past_k, past_mixed, block_size=block_size)
-    one_solve = chacal_attention(*new, gamma, past_k, past_mixed, block_size=0)
+    blocked = chacal_attention(*new, gamma, past_k, past_mixed, rows_per_block=rows_per_block)
+    one_solve = chacal_attention(*new, gamma, past_k, past_mixed, rows_per_block=0)
     torch.testing.assert_close(blocked, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(blocked, one_solve, rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("block_size", [2, 3, 7])
+@pytest.mark.parametrize("rows_per_block", [2, 3, 7])
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 0.99])
 @pytest.mark.parametrize("n_past", [0, 3])
-def test_blocked_chacal_gradients_match_one_solve_and_finite_differences(block_size, gamma, n_past):
+def test_blocked_chacal_gradients_match_one_solve_and_finite_differences(rows_per_block, gamma, n_past):
     # Gradients reach the cached keys and mixed values too, so gradcheck covers all five inputs.
     q, k, v, past_k, past_mixed = random_qkv(B=1, nh=2, T=6, hs=3)[:3] + random_qkv(
         B=1, nh=2, T=n_past, hs=3, seed=1)[:2]
     inputs = [t.requires_grad_() for t in (q, k, v) + ((past_k, past_mixed) if n_past else ())]
 
     def blocked(*x):
-        return chacal_attention(*x[:3], gamma, *x[3:], block_size=block_size)
+        return chacal_attention(*x[:3], gamma, *x[3:], rows_per_block=rows_per_block)
 
     assert torch.autograd.gradcheck(blocked, inputs)
     weights = torch.randn(1, 2, 6, 3, dtype=torch.float64)
-    expected = torch.autograd.grad((chacal_attention(*inputs[:3], gamma, *inputs[3:], block_size=0)
+    expected = torch.autograd.grad((chacal_attention(*inputs[:3], gamma, *inputs[3:], rows_per_block=0)
                                     * weights).sum(), inputs)
     for got, want in zip(torch.autograd.grad((blocked(*inputs) * weights).sum(), inputs), expected):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -386,8 +386,8 @@ def test_chacal_picks_the_blocked_path_from_its_device_threshold_on(monkeypatch)
         assert bool(calls) == blocked, f"T = {T}"
     chacal_attention(*random_qkv(T=8), 0.9, causal=False)  # bidirectional: always one solve
     assert len(calls) == 1
-    with pytest.raises(ValueError, match="block_size"):
-        chacal_attention(*random_qkv(T=8), 0.9, causal=False, block_size=4)
+    with pytest.raises(ValueError, match="rows_per_block"):
+        chacal_attention(*random_qkv(T=8), 0.9, causal=False, rows_per_block=4)
     calls.clear()
     monkeypatch.setattr(attention, "CHACAL_BLOCKED_FROM", {"cuda": 8})  # the cpu has no entry
     chacal_attention(*random_qkv(T=8), 0.9)
@@ -397,7 +397,7 @@ def test_chacal_picks_the_blocked_path_from_its_device_threshold_on(monkeypatch)
 def test_blocked_chacal_solves_in_float32_under_autocast():
     q, k, v = random_qkv(T=12, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = chacal_attention(q, k, v, 0.9, block_size=5)
+        y = chacal_attention(q, k, v, 0.9, rows_per_block=5)
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), chacal_attention(q.double(), k.double(), v.double(), 0.9),
                                rtol=1e-5, atol=1e-5)
