@@ -219,11 +219,13 @@ def measure_peak(path, T, n_head, head_size, dtype_name, device):
 def peak_memory(path, T, n_head, head_size, dtype, device):
     """measure_peak in a fresh Python process, so that no earlier case's memory counts. On a CPU
     the process's resident memory is what the step costs only if freed memory goes back to the
-    system at once: MALLOC_MMAP_THRESHOLD_ makes glibc map every block of 64 KiB or more on its
-    own and unmap it when freed, where by default it may keep freed memory for later reuse."""
+    system at once: MALLOC_MMAP_THRESHOLD_ makes glibc map every block of a page (4 KiB) or more
+    on its own and unmap it when freed, where by default it may keep freed memory for later reuse.
+    At 64 KiB, the blocked path's small blocks at T = 256 (32 rows) reused the heap the warm-up
+    had grown, and read 0.0 MiB in one process out of two."""
     code = (f"import bench; print(bench.measure_peak({path!r}, {T}, {n_head}, {head_size}, "
             f"{str(dtype).split('.')[-1]!r}, {device!r}))")
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(torch.get_num_threads()))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="4096", OMP_NUM_THREADS=str(torch.get_num_threads()))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
     if result.returncode:  # a negative code is a signal: SIGKILL (-9) is most often the OOM killer

@@ -365,6 +365,16 @@ def test_bench_memory_grows_with_the_one_solves_maps_only():
     assert memory["one-solve"] >= T * T * n_head * 4 / 2**20, memory
     assert 4 * max(memory["blocked"], memory["fused"]) < memory["one-solve"], memory
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
+                    reason="bench.py measures a CPU's peak memory on Linux only")
+def test_bench_memory_counts_the_blocked_paths_small_blocks():
+    import bench
+    # At T = 256 the blocked path allocates blocks of 32 rows, well under 64 KiB; in a fresh process
+    # each time, the step must still count at least the input gradients it creates (3 x 128 KiB).
+    peaks = [bench.peak_memory("blocked", 256, 4, 32, torch.float32, "cpu") for _ in range(3)]
+    assert min(peaks) >= 3 * 256 * 4 * 32 * 4 / 2**20, peaks
+
+
 def test_bench_long_sequences_and_its_verdicts(capsys):
     import bench
     results = bench.long_sequences([16], dict(n_embd=16, n_head=2), torch.float32, "cpu", repeats=1)
