@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import train
-from attention import CHACAL_ROWS_PER_BLOCK, CHACAL_BLOCKED_FROM, chacal_attention
+from attention import CHACAL_BLOCKED_FROM, CHACAL_ROWS_PER_BLOCK, chacal_attention
 from model import GPT, GPTConfig
 from train import DEVICE_HELP, DEVICES, OneLineErrors, pick_device, synchronize
 
