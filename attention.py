@@ -159,10 +159,10 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 # (its T x T matrices are still small there), the blocked one from T = 128 on (0.8x the time
 # at 128, 0.2-0.4x at 256).
 # A GPU has no entry: there the blocked path's Python loop of small solves, one launch after
-# another, is what costs. On an H100 (bf16, d 512) it took 1.4x the one solve's time at T = 32
-# and 3x at 512 (table 6b), and 3.3x at T = 8192 (table 6), where the one solve held 8.3 GB and
-# the blocked path 160 MiB. A GPU run whose T x T maps do not fit in its memory gives "cuda" an
-# entry here.
+# another, is what costs, at the pace of the host that launches it. On two H100 machines (bf16,
+# d 512) it took 1.2-1.4x the one solve's time at T = 32 and 3-5x at 512 (table 6b), and 3.3x and
+# 5.7x at T = 8192 (table 6), where the one solve held 8.3 GB and the blocked path 160 MiB. A GPU
+# run whose T x T maps do not fit in its memory gives "cuda" an entry here.
 CHACAL_ROWS_PER_BLOCK = 32
 CHACAL_BLOCKED_FROM = {"cpu": 128}
 
