@@ -2,7 +2,7 @@
 What the lesson notebooks share: their set-up, and running many trainings for a table.
 
     from common import SCALE, REUSE, DEVICE, OUT, describe_setup, train_many, reuse_if_saved
-    from common import steps_to, trained_model, claim, report  # reading runs, the claims cell
+    from common import steps_to, steps_to_text, trained_model, claim, report  # reading runs, claims
     from common import taken_as_saved  # the runs a lesson took as saved, for its time line
     from common import TOY_TABLE, toy_table_flags, blind_guess  # lessons 00 and 01's toy task
 
@@ -86,6 +86,12 @@ def steps_to(run, threshold, key="eval_acc", depth=None):
     threshold, or None; with depth, the metric's value at that chain depth (key "..._by_depth")."""
     return next((m["step"] for m in run["metrics"]
                  if (m[key] if depth is None else m[key][str(depth)]) >= threshold), None)
+
+
+def steps_to_text(run, threshold, key="eval_acc", depth=None):
+    """steps_to as a claims line prints it: "700", or "never within 1000" (the run's last step)."""
+    step = steps_to(run, threshold, key, depth)
+    return str(step) if step is not None else f"never within {run['final']['step']}"
 
 
 def trained_model(summary):

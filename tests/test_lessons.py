@@ -205,6 +205,9 @@ def test_steps_to_is_the_first_evaluation_at_or_above_the_threshold():
     assert common.steps_to(run, 0.9, "eval_acc_by_depth", depth=3) == 2
     assert common.steps_to(run, 1.0, "eval_acc_by_depth", depth=3) == 3
     assert common.steps_to(run, 1.01) is None
+    run["final"] = {"step": 3}
+    assert common.steps_to_text(run, 0.9, "eval_acc_by_depth", depth=3) == "2"
+    assert common.steps_to_text(run, 1.01) == "never within 3"
 
 
 def test_only_the_runs_taken_as_saved_are_named_beside_the_lesson_time():
