@@ -12,6 +12,7 @@ The tasks of nanoChaCAL, each behind the same small interface (the class Task be
     task.layout(x)               # extra arguments of the model for x: {}, or the inductive
                                  # scratchpad's positions and groups (cycles)
     task.generate(model, prompt, max_new_tokens)  # greedy answers (a task that generates_answer)
+    task.encode(text), task.decode(ids)  # words <-> token ids
     task.vocab_size, task.block_size, task.train_defaults
 
 `generator` is a torch.Generator (on the CPU), so a seeded run sees the same data every time.
@@ -86,6 +87,24 @@ class Task:
         """Keyword arguments of the model's forward for a batch x (B, T), besides x and y: none
         for an ordinary task; positions and groups (B, T) for the inductive scratchpad."""
         return {}
+
+    def encode(self, text):
+        """Token ids (T,) of text written as words of self.vocab with spaces between them (a task
+        whose text is not written so overrides); an unknown word is named with the vocabulary."""
+        words = text.split()
+        unknown = [word for word in words if word not in self.token_ids]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a word of this task ({self.words_hint()})")
+        return torch.tensor([self.token_ids[word] for word in words], dtype=torch.long)
+
+    @functools.cached_property
+    def token_ids(self):
+        """{word: token id} of a task with a word list self.vocab."""
+        return {word: i for i, word in enumerate(self.vocab)}
+
+    def words_hint(self):
+        """What encode()'s error lists as the vocabulary: every word, unless a task abridges it."""
+        return " ".join(self.vocab)
 
     def decode(self, ids):
         """The words of token ids, for a task with a word list self.vocab (others override)."""
@@ -220,13 +239,11 @@ class PointerChains(Task):
         """A fresh sequence, or a typed one: token ids separated by spaces or commas."""
         if prompt is None or length is not None:  # --length is refused with or without a prompt
             return super().example(generator, length=length)
-        words = prompt.replace(",", " ").split()
-        bad = next((w for w in words if not (w.isascii() and w.isdigit())
-                    or int(w) >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"--prompt: a toy prompt is token ids in [0, {self.vocab_size}); "
-                             f"{bad!r} is not one (run without --prompt to see a fresh example)")
-        x = torch.tensor([[int(w) for w in words]])
+        try:
+            x = self.encode(prompt)[None]
+        except ValueError as error:
+            raise ValueError(f"--prompt: {error} (run without --prompt to see a fresh example)"
+                             ) from None
         if x.size(1) != self.block_size:
             raise ValueError(f"--prompt: expected {self.block_size} tokens ({self.n_blocks} blocks "
                              f"of {self.block_len}), got {x.size(1)}")
@@ -237,6 +254,16 @@ class PointerChains(Task):
                 raise ValueError(f"--prompt: block {b} must point into block {b - 1}, i.e. hold "
                                  f"positions {(b - 1) * k}..{b * k - 1}; it holds {block.tolist()}")
         return x, self.prompt_length
+
+    def encode(self, text):
+        """Token ids (T,) of numbers separated by spaces or commas, as decode() writes them."""
+        words = text.replace(",", " ").split()
+        bad = next((w for w in words if not (w.isascii() and w.isdigit())
+                    or int(w) >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"a toy sequence is token ids in [0, {self.vocab_size}); {bad!r} is "
+                             f"not one")
+        return torch.tensor([int(w) for w in words], dtype=torch.long)
 
     def decode(self, ids):
         """The tokens as numbers: values in block 0, positions after it."""
@@ -857,6 +884,10 @@ class Boxes(Task):
                 raise ValueError(f"--prompt: {error}") from None
         return ids[None], len(ids)
 
+    def encode(self, text):
+        """Token ids (T,) of a boxes text: its words and punctuation (the module's encode)."""
+        return torch.tensor(encode(text), dtype=torch.long)
+
     def decode(self, ids):
         return decode(ids)
 
@@ -1372,7 +1403,6 @@ class LEGO(Task):
         self.ops, self.value_words, images = LEGO_GROUPS[group]
         self.images = torch.tensor(images)                     # (ops, values)
         self.vocab = LEGO_WORDS + self.ops + self.value_words
-        self.token_ids = {word: i for i, word in enumerate(self.vocab)}
         self.vocab_size, self.block_size = len(self.vocab), 5 * n_vars + 2
         self.first_op = len(LEGO_WORDS)
         self.first_value = self.first_op + len(self.ops)
@@ -1463,13 +1493,6 @@ class LEGO(Task):
             for s, clause in enumerate(clauses):
                 y[row, 1 + 5 * s] = self.token_ids[known[clause[0]]]
         return y
-
-    def encode(self, text):
-        """Token ids (T,) of a sentence written as space-separated tokens."""
-        unknown = [word for word in text.split() if word not in self.token_ids]
-        if unknown:
-            raise ValueError(f"lego ({self.group}): tokens outside the vocabulary: {unknown[:5]}")
-        return torch.tensor([self.token_ids[word] for word in text.split()])
 
     def describe(self, x, y=None, predictions=None):
         """Lines about one sentence x (T,): the sentence, then every variable's value in chain
@@ -1587,7 +1610,6 @@ class Cycles(Task):
                              f"least {2 * largest} names")
         self.n_names = cycle_names
         self.vocab = CYCLE_WORDS + [f"v{i}" for i in range(self.n_names)]
-        self.token_ids = {word: i for i, word in enumerate(self.vocab)}
         self.vocab_size = len(self.vocab)
         self.block_size = max(self._length(*size) for size in self.sizes.values())
 
@@ -1734,11 +1756,10 @@ class Cycles(Task):
         if prompt is None:
             ids = self.prompts(self.sample(1, generator, split="test")[0])[0]
         else:
-            unknown = [word for word in prompt.split() if word not in self.token_ids]
-            if unknown:
-                raise ValueError(f"--prompt: {unknown[0]!r} is not a cycles token (node names "
-                                 f"v0..v{self.n_names - 1}, and > ; ?)")
-            ids = [self.token_ids[word] for word in prompt.split()]
+            try:
+                ids = self.encode(prompt).tolist()
+            except ValueError as error:
+                raise ValueError(f"--prompt: {error}") from None
             ids = ids[:-1] if ids[-1:] == [CYCLE_START] else ids
             well_formed = self.well_formed(ids)
             if well_formed:
@@ -1762,6 +1783,9 @@ class Cycles(Task):
                         and ids[i + 3] == CYCLE_END for i in range(0, len(ids) - 4, 4))
                 and is_name(ids[-4]) and ids[-3] == CYCLE_QUERY and is_name(ids[-2])
                 and ids[-1] == CYCLE_END)
+
+    def words_hint(self):
+        return f"node names v0..v{self.n_names - 1}, and {' '.join(CYCLE_WORDS[1:])}"
 
     def decode(self, ids):
         """The text of token ids, padding left out: 'v4 > v9 ; ... v4 ? v7 ; : v9 # 1 .'"""

@@ -98,6 +98,18 @@ class Oracle(torch.nn.Module):
         return logits, torch.tensor(0.0)
 
 
+@pytest.mark.parametrize("name, options", [("toy", {}), ("lego", {}), ("lego", dict(group="s3")),
+                                           ("cycles", dict(cycle_n=3, scratchpad="full")),
+                                           ("parity", {}), ("tomita3", {})])
+def test_encode_inverts_decode_and_names_a_word_outside_the_vocabulary(name, options):
+    task = get_task(name, **options)
+    x, _ = task.sample(4, torch.Generator().manual_seed(0), split="test")
+    for row in x:
+        assert torch.equal(task.encode(task.decode(row)), row)
+    with pytest.raises(ValueError, match="'zebra' is not"):
+        task.encode(task.decode(x[0]) + " zebra")
+
+
 def test_evaluate_counts_whole_sequences_and_depths():
     task = get_task("toy", n_blocks=4, block_len=4)
 
