@@ -472,7 +472,7 @@ class ChaCALAttention(StandardAttention):
         cache.append(k, (1 - self.gamma) * v, groups)
         y = (F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=visible)
              if self.fused else standard_attention(q, cache.keys, cache.values, False, visible))
-        cache.values[..., -1:, :] += self.gamma * y  # complete m_t = (1-γ)v_t + γy_t in place
+        cache.values[..., -1:, :].add_(y, alpha=self.gamma)  # m_t = (1-γ)v_t + γy_t, one kernel
         return y
 
 
