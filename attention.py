@@ -130,11 +130,11 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
         raise ValueError("a bidirectional ChaCAL layer has no cache: it sees every token")
     dtype = torch.promote_types(v.dtype, torch.float32)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        if rows_per_block:
+        if rows_per_block:  # it casts q, k, v itself, so that it keeps no float32 copy of them
             if past_k is not None:
                 past_k, past_mixed = past_k.to(dtype), past_mixed.to(dtype)
-            return BlockedChaCAL.apply(q, k, v, past_k, past_mixed, gamma, rows_per_block)
+            return BlockedChaCAL.apply(q, k, v, past_k, past_mixed, gamma, rows_per_block, dtype)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         values = (1 - gamma) * v                                   # what a new token contributes
         if past_k is not None:
             k = torch.cat([past_k.to(dtype), k], dim=-2)           # (B, nh, Tp+Tq, hs)
@@ -161,8 +161,8 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 # A GPU has no entry: there the blocked path's Python loop of small solves, one launch after
 # another, is what costs, at the pace of the host that launches it. On two H100 machines (bf16,
 # d 512) it took 1.2-1.4x the one solve's time at T = 32 and 3-5x at 512 (table 6b), and 3.3x and
-# 5.7x at T = 8192 (table 6), where the one solve held 8.3 GB and the blocked path 160 MiB. A GPU
-# run whose T x T maps do not fit in its memory gives "cuda" an entry here.
+# 5.7x at T = 8192 (table 6), where the one solve held 8.3 GB and the blocked path under 160 MiB.
+# A GPU run whose T x T maps do not fit in its memory gives "cuda" an entry here.
 CHACAL_ROWS_PER_BLOCK = 32
 CHACAL_BLOCKED_FROM = {"cpu": 128}
 
@@ -180,12 +180,15 @@ def block_weights(q_block, keys, log_normaliser=None):
     return scores.sub_(log_normaliser).exp_(), log_normaliser  # in place: one n x n_keys buffer
 
 
-def keys_and_mixed_values(k, v, y, gamma, past_k, past_mixed):
-    """Every key the new tokens see, and its mixed value m = (1-γ)v + γy: (B, nh, Tp+Tq, hs)."""
+def solve_keys(k, past_k, dtype):
+    """Every key the new tokens see, in the solve's dtype: (B, nh, Tp+Tq, hs)."""
+    return k.to(dtype) if past_k is None else torch.cat([past_k, k.to(dtype)], dim=-2)
+
+
+def mixed_values(v, y, gamma, past_mixed):
+    """Every token's mixed value m = (1-γ)v + γy, cached ones first: (B, nh, Tp+Tq, hs_v)."""
     mixed = torch.lerp(v, y, gamma)  # (1-γ)v + γy in one buffer
-    if past_k is None:
-        return k, mixed
-    return torch.cat([past_k, k], dim=-2), torch.cat([past_mixed, mixed], dim=-2)
+    return mixed if past_mixed is None else torch.cat([past_mixed, mixed], dim=-2)
 
 
 class BlockedChaCAL(torch.autograd.Function):
@@ -199,7 +202,10 @@ class BlockedChaCAL(torch.autograd.Function):
 
     with A_b the block's rows of A (normalised over every key up to the row, as always), M_<e
     the earlier mixed values and A_bb the block's own n x n lower triangle: a small unit
-    lower-triangular solve per block. Only q, k, v, Y and each row's log-normaliser are kept.
+    lower-triangular solve per block. Only q, k, v, Y and each row's log-normaliser are kept, q, k
+    and v in their own dtype: under bf16 autocast they are cast to the solve's float32 a block of
+    rows at a time (the keys once per pass), since float32 copies of all three, kept for the
+    backward, would cost more memory than fused attention's whole step.
 
     Backward. With C = (1-γ)AV (plus A M_past for a cache) and N = γA' among the new tokens,
     Y = (I - N)⁻¹C, so for g = dL/dY
@@ -222,27 +228,28 @@ class BlockedChaCAL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, past_k, past_mixed, gamma, rows_per_block):
+    def forward(ctx, q, k, v, past_k, past_mixed, gamma, rows_per_block, dtype):
         n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=-2)     # (B, nh, Tp+Tq, hs)
+        keys = solve_keys(k, past_k, dtype)                                 # (B, nh, Tp+Tq, hs)
         # Filled block by block; as wide as v, which need not be hs (attention_map solves against I).
         mixed = keys.new_empty(*keys.shape[:-1], v.size(-1))                # (B, nh, Tp+Tq, hs_v)
         if past_k is not None:
             mixed[..., :n_past, :] = past_mixed
-        y = torch.empty_like(v)                                             # (B, nh, Tq, hs)
-        log_normaliser = v.new_empty(*v.shape[:-1], 1)                      # (B, nh, Tq, 1)
+        y = v.new_empty(v.shape, dtype=dtype)                               # (B, nh, Tq, hs)
+        log_normaliser = v.new_empty(*v.shape[:-1], 1, dtype=dtype)         # (B, nh, Tq, 1)
         for start in range(0, n_new, rows_per_block):
             stop = min(start + rows_per_block, n_new)
             earlier, end = n_past + start, n_past + stop
-            A, log_normaliser[..., start:stop, :] = block_weights(q[..., start:stop, :],
+            v_block = v[..., start:stop, :].to(dtype)
+            A, log_normaliser[..., start:stop, :] = block_weights(q[..., start:stop, :].to(dtype),
                                                                   keys[..., :end, :])
             own = A[..., earlier:]                                          # (B, nh, n, n)
             rhs = (A[..., :earlier] @ mixed[..., :earlier, :]              # earlier tokens
-                   + (1 - gamma) * own @ v[..., start:stop, :])            # (B, nh, n, hs)
+                   + (1 - gamma) * own @ v_block)                          # (B, nh, n, hs)
             y_block = torch.linalg.solve_triangular(-gamma * own, rhs, upper=False,
                                                     unitriangular=True)
             y[..., start:stop, :] = y_block
-            mixed[..., earlier:end, :] = torch.lerp(v[..., start:stop, :], y_block, gamma)
+            mixed[..., earlier:end, :] = torch.lerp(v_block, y_block, gamma)
         ctx.save_for_backward(q, k, v, past_k, past_mixed, y, log_normaliser)
         ctx.gamma, ctx.rows_per_block = gamma, rows_per_block
         return y
@@ -254,8 +261,9 @@ class BlockedChaCAL(torch.autograd.Function):
         gamma, rows_per_block = ctx.gamma, ctx.rows_per_block
         scale = 1 / math.sqrt(q.size(-1))
         n_past, n_new = (0 if past_k is None else past_k.size(-2)), q.size(-2)
-        keys, mixed = keys_and_mixed_values(k, v, y, gamma, past_k, past_mixed)  # (B, nh, Tp+Tq, .)
-        grad_q = torch.empty_like(q)
+        keys = solve_keys(k, past_k, y.dtype)                              # (B, nh, Tp+Tq, hs)
+        mixed = mixed_values(v.to(y.dtype), y, gamma, past_mixed)           # (B, nh, Tp+Tq, hs_v)
+        grad_q = torch.empty_like(q)  # q's dtype: each block's rows are final when written
         grad_keys = torch.zeros_like(keys)
         # dM_j = Σ_{t>j} A_tj R_t over the blocks done so far. Once a block is done its own rows
         # are never read again, so they take its dV: the memory of one tensor saved.
@@ -263,7 +271,7 @@ class BlockedChaCAL(torch.autograd.Function):
         for start in reversed(range(0, n_new, rows_per_block)):
             stop = min(start + rows_per_block, n_new)
             earlier, end = n_past + start, n_past + stop
-            q_block = q[..., start:stop, :]                                 # (B, nh, n, hs)
+            q_block = q[..., start:stop, :].to(y.dtype)                     # (B, nh, n, hs)
             A, _ = block_weights(q_block, keys[..., :end, :],
                                  log_normaliser[..., start:stop, :])       # (B, nh, n, end)
             own = A[..., earlier:]                                          # (B, nh, n, n)
@@ -283,9 +291,9 @@ class BlockedChaCAL(torch.autograd.Function):
             grad_keys[..., :end, :] += grad_scores.transpose(-2, -1) @ (q_block * scale)
         grad_v = grad_mixed[..., n_past:, :]
         if past_k is None:
-            return grad_q, grad_keys, grad_v, None, None, None, None
+            return grad_q, grad_keys, grad_v, None, None, None, None, None
         return (grad_q, grad_keys[..., n_past:, :], grad_v, grad_keys[..., :n_past, :],
-                grad_mixed[..., :n_past, :], None, None)
+                grad_mixed[..., :n_past, :], None, None, None)
 
 
 # -----------------------------------------------------------------------------

@@ -374,6 +374,20 @@ def test_blocked_chacal_gradients_match_one_solve_and_finite_differences(rows_pe
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def test_blocked_chacal_gradients_with_the_models_head_layout():
+    # The model splits heads with a transpose, so q, k, v arrive as (B, T, nh, hs) memory viewed
+    # as (B, nh, T, hs), where the other tests pass contiguous tensors: the blocked backward's
+    # in-place sums into such a layout must reach the gradients the one solve computes.
+    g = torch.Generator().manual_seed(2)
+    qkv = [torch.randn(2, 11, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+           for _ in range(3)]
+    weights = torch.randn(2, 3, 11, 4, generator=g, dtype=torch.float64)
+    blocked, one_solve = (torch.autograd.grad((chacal_attention(*qkv, 0.9, rows_per_block=rows) * weights).sum(), qkv)
+                          for rows in (4, 0))
+    for got, want in zip(blocked, one_solve):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_chacal_picks_the_blocked_path_from_its_device_threshold_on(monkeypatch):
     import attention
     calls = []
@@ -401,3 +415,24 @@ def test_blocked_chacal_solves_in_float32_under_autocast():
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), chacal_attention(q.double(), k.double(), v.double(), 0.9),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_chacal_keeps_half_precision_inputs_and_computes_as_in_float32():
+    # Under bf16 autocast the blocked path casts q, k, v to float32 a block at a time: it keeps
+    # them for the backward as they are (float32 copies of all three would cost more memory than
+    # fused attention's whole step), and computes exactly what it computes from float32 inputs.
+    q, k, v = (t.requires_grad_() for t in random_qkv(T=12, dtype=torch.bfloat16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = chacal_attention(q, k, v, 0.9, rows_per_block=5)
+    shape, row_shape = tuple(q.shape), (*q.shape[:-1], 1)
+    assert sorted((str(t.dtype), tuple(t.shape)) for t in saved) == sorted(
+        [("torch.bfloat16", shape)] * 3                                         # q, k, v
+        + [("torch.float32", shape), ("torch.float32", row_shape)])            # Y, log-normalisers
+    weights = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    as_float = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    y_float = chacal_attention(*as_float, 0.9, rows_per_block=5)
+    assert torch.equal(y, y_float)
+    for got, want in zip(torch.autograd.grad((y * weights).sum(), (q, k, v)),
+                         torch.autograd.grad((y_float * weights).sum(), as_float)):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
