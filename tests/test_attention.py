@@ -382,8 +382,9 @@ def test_blocked_chacal_gradients_with_the_models_head_layout():
     qkv = [torch.randn(2, 11, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
            for _ in range(3)]
     weights = torch.randn(2, 3, 11, 4, generator=g, dtype=torch.float64)
-    blocked, one_solve = (torch.autograd.grad((chacal_attention(*qkv, 0.9, rows_per_block=rows) * weights).sum(), qkv)
-                          for rows in (4, 0))
+    blocked, one_solve = (
+        torch.autograd.grad((chacal_attention(*qkv, 0.9, rows_per_block=rows) * weights).sum(), qkv)
+        for rows in (4, 0))
     for got, want in zip(blocked, one_solve):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
