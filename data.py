@@ -310,14 +310,18 @@ PAD, BOS, SEP, EOS = range(4)
 
 
 def encode(text):
-    """Word-level token ids of a boxes text. Case: only a text's first word can be a capital that
-    is not a token ("The", "There"); it is stored in lower case and decode() restores it."""
-    words = re.findall(r"\w+|[,.]", text)
-    if words and words[0].lower() in TOKEN_IDS:
-        words[0] = words[0].lower()
+    """Word-level token ids of a boxes text, specials such as <bos> included. Case: a word that
+    starts the text or follows a special may be a capital that is not a token ("The", "There"),
+    as decode() writes it; it is stored in lower case."""
+    words = re.findall(r"<\w+>|\w+|[,.]", text)
+    for i, word in enumerate(words):
+        if word not in TOKEN_IDS and (i == 0 or words[i - 1] in SPECIALS):
+            words[i] = word.lower()
     unknown = [w for w in words if w not in TOKEN_IDS]
     if unknown:
-        raise ValueError(f"boxes: words outside the vocabulary: {unknown[:5]}")
+        raise ValueError(f"{unknown[0]!r} is not a word of this task ({len(OBJECTS)} object "
+                         f"names, the letters {LETTERS[0]}..{LETTERS[-1]}, the templates' words, "
+                         f"commas and periods)")
     return [TOKEN_IDS[w] for w in words]
 
 
@@ -1783,6 +1787,11 @@ class Cycles(Task):
                         and ids[i + 3] == CYCLE_END for i in range(0, len(ids) - 4, 4))
                 and is_name(ids[-4]) and ids[-3] == CYCLE_QUERY and is_name(ids[-2])
                 and ids[-1] == CYCLE_END)
+
+    @functools.cached_property
+    def token_ids(self):
+        """Every word but the padding, which decode() leaves out: the words words_hint() lists."""
+        return {word: i for i, word in enumerate(self.vocab) if i != CYCLE_PAD}
 
     def words_hint(self):
         return f"node names v0..v{self.n_names - 1}, and {' '.join(CYCLE_WORDS[1:])}"

@@ -393,7 +393,7 @@ class MaskedWalker(torch.nn.Module):
             for i in range(tokens.size(1)):
                 seen = [self.task.vocab[int(tokens[r, j])] for j in range(i + 1)
                         if int(groups[r, j]) in (0, int(groups[r, i]))]
-                logits[r, i, self.task.token_ids[self.next_word(seen)]] = 1.0
+                logits[r, i, self.task.vocab.index(self.next_word(seen))] = 1.0
         return logits, None
 
 
