@@ -1,6 +1,8 @@
 """train.py and sample.py as a user runs them: a CPU smoke run, exact resume, and bad input."""
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -8,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 import torch
@@ -24,6 +27,24 @@ TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32"
 def run_script(script, *args, cwd=ROOT):
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
+
+
+def run_sample(*args):
+    """sample.py's main(args) in this process, as run_script("sample.py", *args) would report it
+    (exit code, printed text), without the second or so a new Python spends importing torch.
+    run_script keeps one test of the script as a command."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            sample.main(list(args))
+        except SystemExit as stop:  # argparse's error (2) or a message (1), as Python exits
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if isinstance(stop.code, str):
+                print(stop.code, file=sys.stderr)
+        except Exception:  # what the command would end in: a traceback and exit code 1
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["sample.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def interrupt_the_second_evaluation(monkeypatch):
@@ -224,8 +245,8 @@ def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, cap
 @pytest.mark.parametrize("model", [[], ["--share_weights"], ["--attn", "lego_v0"]])  # the last two
 def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path, model):  # cannot cache
     train.main(TINY + model + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
-    cached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3")
-    uncached = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", "3", "--no-cache")
+    cached = run_sample("--out_dir", str(tmp_path), "--seed", "3")
+    uncached = run_sample("--out_dir", str(tmp_path), "--seed", "3", "--no-cache")
     assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
     # The cache where the model keeps one; LEGO attention and adaptive depth keep none, and read
     # the whole sequence in one pass (as evaluation does) whether or not the cache is asked for.
@@ -280,7 +301,7 @@ def test_sample_names_the_run_when_its_own_example_does_not_fit(tmp_path, capsys
 def test_sample_script_takes_a_prompt_and_rejects_a_bad_one(tmp_path):
     train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
     prompt = "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"  # values, then 3 blocks of pointers
-    result = run_script("sample.py", "--out_dir", str(tmp_path), "--prompt", prompt)
+    result = run_sample("--out_dir", str(tmp_path), "--prompt", prompt)
     assert result.returncode == 0, result.stderr
     assert "block  3" in result.stdout
     for bad_prompt in ("1 2 3", prompt.replace("11", "x")):  # too short; not a token id
@@ -298,7 +319,7 @@ def test_sample_script_reads_a_regular_language_or_lego_in_one_pass(tmp_path, fl
                         "--eval_interval", "2", "--eval_samples", "8", "--no-progress",
                         "--device", "cpu", "--out_dir", str(tmp_path)])
     length = ["--length", "30"] if "parity" in flags else []  # past the training lengths
-    result = run_script("sample.py", "--out_dir", str(tmp_path), *length)
+    result = run_sample("--out_dir", str(tmp_path), *length)
     assert result.returncode == 0, result.stderr
     assert shown in result.stdout and "tokens/s" not in result.stdout  # one pass: nothing decoded
 
@@ -375,11 +396,8 @@ def test_bench_memory_counts_the_blocked_paths_small_blocks():
     assert min(peaks) >= 3 * 256 * 4 * 32 * 4 / 2**20, peaks
 
 
-def test_bench_long_sequences_and_its_verdicts(capsys):
-    import bench
-    results = bench.long_sequences([16], dict(n_embd=16, n_head=2), torch.float32, "cpu", repeats=1)
-    assert list(results[16]) == bench.LONG_PATHS  # each path timed, its memory from a fresh process
-    assert all(seconds > 0 for seconds, _ in results[16].values())
+def test_bench_takes_turns_and_gives_its_verdicts(capsys):
+    import bench  # (table 6's long sequences run in the whole-script test above)
     calls = []
     runs = bench.in_turns([lambda i=i: calls.append(i) for i in range(3)], "cpu", repeats=3)
     assert calls == [0, 1, 2] + [0, 1, 2] + [1, 2, 0] + [2, 0, 1]  # a warm-up, then rotating turns
@@ -402,11 +420,11 @@ def test_boxes_run_trains_and_answers_a_typed_prompt(tmp_path, monkeypatch):
                           "--out_dir", "run"])
     assert os.path.exists("data_cache") and 0 <= summary["final"]["eval_acc"] <= 1
     prompt = "The cup is in Box B, there is nothing in Box A. Move the contents of Box B to Box A."
-    result = run_script("sample.py", "--out_dir", "run", "--prompt", prompt, cwd=tmp_path)
+    result = run_sample("--out_dir", "run", "--prompt", prompt)
     assert result.returncode == 0, result.stderr
     assert "truth : Box A contains the cup, Box B is empty." in result.stdout
     assert "exact match:" in result.stdout and "boxes right" in result.stdout and "/2\n" in result.stdout
-    bad = run_script("sample.py", "--out_dir", "run", "--prompt", "Juggle Box A.", cwd=tmp_path)
+    bad = run_sample("--out_dir", "run", "--prompt", "Juggle Box A.")
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
     # LEGO attention cannot decode against a cache: its answers are written by recomputing the
     # prefix. (Adaptive depth, which cannot either, is refused for tasks that write an answer.)
@@ -910,7 +928,7 @@ def test_a_broken_checkpoint_is_one_line_for_resume_and_sample(tmp_path, broken,
     assert "weights_only" not in error[0]
     if broken == "no rng state":
         return
-    result = run_script("sample.py", "--out_dir", str(tmp_path))
+    result = run_sample("--out_dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and str(path) in result.stderr
 
@@ -922,7 +940,7 @@ def test_resume_refuses_another_task_and_sample_refuses_a_huge_seed(tmp_path, ca
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "--task parity" in error[0] and "toy" in error[0]
     for seed in ("100000000000000000000000", "1e23"):
-        result = run_script("sample.py", "--out_dir", str(tmp_path), "--seed", seed)
+        result = run_sample("--out_dir", str(tmp_path), "--seed", seed)
         assert result.returncode == 2 and "--seed" in result.stderr and "Traceback" not in result.stderr
 
 
