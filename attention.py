@@ -531,8 +531,9 @@ class SlidingDilatedAttention(StandardAttention):
     and 0 elsewhere. Stacking levels l = 0, 1, 2, ... makes a tree: after L levels position m
     has read every position in m - C^L + 1 .. m exactly once, in log_C T steps. This is the
     divide-and-conquer that lets one shared layer, applied ⌈log_C T⌉ times, compute parity (or
-    any regular language) at lengths never seen in training. There are no positional
-    embeddings in RegularGPT: r and the mask are the only notion of position. Which tokens
+    any regular language) at lengths never seen in training. Our RegularGPT runs have no
+    positional embeddings (--pos none; the paper does not mention them), since a learned table
+    stops at the training lengths: r and the mask are then the only notion of position. Which tokens
     each query sees, for C = 2 on eight tokens (row = query, x = attended):
 
         level 0, d = 1      level 1, d = 2      level 2, d = 4

@@ -15,7 +15,8 @@ which only looks back, is never bidirectional):
 - weight sharing (ALBERT; RegularGPT): `thickness` distinct blocks, reused at every depth;
 - depth that follows the input: adaptive (RegularGPT: ⌈log_chunk T⌉ levels, so a longer input
   gets more layers) or stochastic (LEGO: drawn per training batch, fixed at test);
-- no positional embeddings (RegularGPT), and a bidirectional, BERT-like mode (LEGO).
+- no positional embeddings (what lets RegularGPT run at unseen lengths), and a bidirectional,
+  BERT-like mode (LEGO).
 """
 
 import math
