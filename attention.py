@@ -508,9 +508,9 @@ def chacal_keep_diagonal(q, k, v, gamma, past_k=None, past_mixed=None, causal=Tr
 
 
 class ChaCALKeepDiagonal(ChaCALAttention):
-    """ChaCAL with the diagonal kept inside the inverse, Y = (1-γ)·(I - γA)⁻¹·A·V: an ablation the
-    ChaCAL paper motivates (Section 4.1: self-loops carry nothing about the chain) but does not
-    run. Lesson 01 trains it beside ChaCAL. See `chacal_keep_diagonal`."""
+    """ChaCAL with the diagonal kept inside the inverse, Y = (1-γ)·(I - γA)⁻¹·A·V: the paper
+    removes the diagonal as trivial and says that improves learning (Section 4.1), with no table.
+    Lesson 01 trains this ablation beside ChaCAL. See `chacal_keep_diagonal`."""
 
     takes_groups = False  # lesson 01's ablation, written without a masked path
     decodes_one_token_by_attention = False  # its row divides by 1 - γA_tt: a solve even for one

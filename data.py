@@ -302,7 +302,9 @@ MAX_ITEMS = 3  # per box, at every step
 TEMPLATE_WORDS = ("Box Move Put Remove and are contains contents empty from in into is nothing of "
                   "the there to").split()
 # One vocabulary for both versions: specials first (PAD = 0 so zero-filled buffers are padding),
-# then every word sorted. 4 + 100 objects + 18 template words + 8 letters + 2 punctuation = 132.
+# then every word sorted. 4 + 100 objects + 18 template words + 8 letters + 2 punctuation = 132,
+# the advanced version's size in the paper's Table 4 (it gives the default version 128; one list
+# keeps a word's id the same in both).
 SPECIALS = ["<pad>", "<bos>", "<sep>", "<eos>"]
 VOCAB = SPECIALS + sorted(set(OBJECTS + TEMPLATE_WORDS + list(LETTERS) + [",", "."]))
 TOKEN_IDS = {word: i for i, word in enumerate(VOCAB)}
