@@ -1379,7 +1379,7 @@ class LEGO(Task):
     12 and tests all 12: length extrapolation); supervise_last also trains on #n-1 (Section
     4.3's shortcut experiment, #0..#4 plus #11). The test split scores every position, so
     accuracy by depth is accuracy per chain position, the curves of Figure 3.
-    Sentences are fresh every batch (the paper draws a fixed 120k set once).
+    Sentences are fresh every batch (the paper's released code draws a fixed 120k set once).
     """
 
     labels_from_later = True  # a clause's label sits on its first token, before its op and argument
