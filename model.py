@@ -329,10 +329,12 @@ class GPT(nn.Module):
         start = len(caches[0]) if caches else 0
         x = self.transformer.wte(idx)
         if self.config.pos == "learned":
-            last = start + T if positions is None else int(positions.max()) + 1
-            if last > self.config.block_size:
-                raise ValueError(f"sequence of {last} tokens is longer than block_size "
-                                 f"{self.config.block_size}; train with a larger --block_size")
+            n_positions = start + T if positions is None else int(positions.max()) + 1
+            if n_positions > self.config.block_size:
+                what = (f"sequence of {n_positions} tokens is longer than" if positions is None else
+                        f"position {n_positions - 1} (the scratchpad's layout) is beyond")
+                raise ValueError(f"{what} block_size {self.config.block_size}; train with a "
+                                 f"larger --block_size")
             if positions is None:
                 positions = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
             x = x + self.transformer.wpe(positions)  # positions (T,) or (B, T)

@@ -279,8 +279,13 @@ def test_bad_configs_fail_at_construction_naming_the_flag(options, flag):
 
 def test_sequences_longer_than_block_size_are_refused():
     model = small_model("chacal")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="sequence of 41 tokens is longer than block_size 40"):
         model(torch.zeros(1, 41, dtype=torch.long))
+    # A scratchpad's layout restarts positions, so its error names the position, not a length.
+    tokens, positions = torch.zeros(1, 5, dtype=torch.long), torch.tensor([[0, 1, 2, 40, 3]])
+    with pytest.raises(ValueError, match="position 40 .* is beyond block_size 40"):
+        model(tokens, positions=positions, groups=torch.zeros_like(positions))
+    model(tokens, positions=positions.clamp(max=39), groups=torch.zeros_like(positions))  # fits
     with pytest.raises(ValueError, match="block_size"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 12)
     # The last token written is never read: 30 + 11 tokens fit a block of 40.
