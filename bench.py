@@ -431,4 +431,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted; the figures printed so far stand, the rest were not measured") from None

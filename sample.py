@@ -110,4 +110,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted; sample.py writes nothing, so nothing is lost") from None

@@ -427,6 +427,18 @@ def initial_weights(args, task, typed, checkpoint=None):
         needed["causal"] = not args.bidirectional
     source = f"the run in {args.out_dir}" if args.resume else f"--init_from {args.init_from}"
     for field, value in needed.items():
+        if getattr(config, field) != value and field in ("vocab_size", "block_size"):
+            # Sized by a task's flags, typed or default, not by a flag of its own: name those.
+            saved = checkpoint.get("args") or {}  # none for a GPT-2
+            sized = " ".join(f"--{f} {saved[f]}" for f in task_class(saved["task"]).flags
+                             if saved.get(f) is not None) if saved else ""
+            trained = (f" (trained with --task {saved['task']}{' ' * bool(sized)}{sized})"
+                       if saved else "")
+            what = ("a vocabulary of {} tokens" if field == "vocab_size" else
+                    "positions for {} tokens").format
+            raise ValueError(f"{source}: its model has {what(getattr(config, field))}{trained}, "
+                             f"where this run's task needs {what(value)}; give the task the "
+                             f"flags those weights were trained with, or start from other weights")
         if getattr(config, field) != value:
             fix = "drop the flag" + ("" if args.resume else ", or start from other weights")
             raise ValueError(f"{'--resume: ' * args.resume}{source}: its model has "
@@ -628,8 +640,11 @@ def summarize(args, config, n_params, metrics):
 
 
 def main(argv=None):
-    args, task, config, checkpoint = parse_args(argv)
-    model, optimizer, rngs, state = set_up(args, config, checkpoint)
+    try:
+        args, task, config, checkpoint = parse_args(argv)
+        model, optimizer, rngs, state = set_up(args, config, checkpoint)
+    except KeyboardInterrupt:  # e.g. while a large dataset is drawn, which is cached only whole
+        raise SystemExit("interrupted before training began; nothing was written") from None
     autocast = (torch.autocast(device_type=args.device, dtype=torch.bfloat16)
                 if args.dtype == "bfloat16" else contextlib.nullcontext())
     resuming = f", resuming at step {state['step']}" if state["step"] else ""

@@ -261,8 +261,8 @@ def test_init_from_keeps_the_weights_shape_and_says_nothing_of_the_task_s(corpus
 
 @pytest.mark.parametrize("flags, named", [
     (["--n_embd", "64"], "n_embd 32"),
-    (["--context", "32"], "block_size 16"),
-    (["--data", "TOKENS"], "vocab_size 256"),  # GPT-2 tokens, where the model read bytes
+    (["--context", "32"], "has positions for 16 tokens (trained with --task text --data"),
+    (["--data", "TOKENS"], "has a vocabulary of 256 tokens"),  # GPT-2 tokens, where the model read bytes
     (["--attn", "lego_v0"], "--attn lego_v0"),
 ])
 def test_init_from_a_model_of_another_shape_fails_with_one_line(flags, named, corpus, tmp_path,

@@ -160,6 +160,10 @@ def test_a_fresh_run_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
     with pytest.raises(SystemExit, match="nothing was saved"):
         train.main(flags)
     assert [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")] == before
+    monkeypatch.setattr(train, "set_up", interrupt)  # Ctrl-C before the first step
+    with pytest.raises(SystemExit, match="^interrupted before training began; nothing was written$"):
+        train.main(flags)
+    assert [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")] == before
     monkeypatch.undo()
     assert train.main(["--resume", "--max_iters", "4", "--out_dir", str(tmp_path),
                        "--no-progress"])["final"]["step"] == 4
@@ -694,6 +698,20 @@ def test_init_from_names_the_flags_behind_a_model_it_cannot_become(tmp_path, cap
         error = one_error_line(capsys, start + typed)
         assert error.endswith(f"--init_from {tmp_path / 'source'}: its model has {have}, where this run "
                               f"needs {need}; drop the flag, or start from other weights"), error
+
+
+def test_init_from_names_the_task_flags_behind_a_vocabulary_it_does_not_have(tmp_path, capsys):
+    # No flag sets the vocabulary or the positions: the task's do, so the error names those.
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
+    train.main(flags + ["--out_dir", str(tmp_path / "source")])
+    start = ["--init_from", str(tmp_path / "source"), "--out_dir", str(tmp_path / "target")]
+    error = one_error_line(capsys, flags[:2] + flags[6:] + start)  # the toy task's default sizes
+    assert error.endswith(f"--init_from {tmp_path / 'source'}: its model has a vocabulary of 16 "
+                          f"tokens (trained with --task toy --n_blocks 4 --block_len 4), where this "
+                          f"run's task needs a vocabulary of 128 tokens; give the task the flags "
+                          f"those weights were trained with, or start from other weights"), error
+    error = one_error_line(capsys, flags[:4] + ["--block_len", "2"] + flags[6:] + start)
+    assert "its model has a vocabulary of 16 tokens" in error and "needs a vocabulary of 8" in error
 
 
 def test_init_from_a_file_an_empty_value_or_an_adaptive_model_for_a_writer(tmp_path, capsys):
