@@ -434,4 +434,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        raise SystemExit("interrupted; the figures printed so far stand, the rest were not measured") from None
+        raise SystemExit("interrupted; the figures printed so far stand, the rest were not "
+                         "measured") from None

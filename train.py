@@ -427,23 +427,24 @@ def initial_weights(args, task, typed, checkpoint=None):
         needed["causal"] = not args.bidirectional
     source = f"the run in {args.out_dir}" if args.resume else f"--init_from {args.init_from}"
     for field, value in needed.items():
-        if getattr(config, field) != value and field in ("vocab_size", "block_size"):
+        if getattr(config, field) == value:
+            continue
+        if field in ("vocab_size", "block_size"):
             # Sized by a task's flags, typed or default, not by a flag of its own: name those.
-            saved = checkpoint.get("args") or {}  # none for a GPT-2
-            sized = " ".join(f"--{f} {saved[f]}" for f in task_class(saved["task"]).flags
-                             if saved.get(f) is not None) if saved else ""
-            trained = (f" (trained with --task {saved['task']}{' ' * bool(sized)}{sized})"
-                       if saved else "")
+            saved = checkpoint.get("args")  # none for a GPT-2
+            trained = "" if not saved else " (trained with " + " ".join(
+                [f"--task {saved['task']}"] + [f"--{f} {saved[f]}" for f in task_class(
+                    saved["task"]).flags if saved.get(f) is not None]) + ")"
             what = ("a vocabulary of {} tokens" if field == "vocab_size" else
                     "positions for {} tokens").format
-            raise ValueError(f"{source}: its model has {what(getattr(config, field))}{trained}, "
-                             f"where this run's task needs {what(value)}; give the task the "
-                             f"flags those weights were trained with, or start from other weights")
-        if getattr(config, field) != value:
-            fix = "drop the flag" + ("" if args.resume else ", or start from other weights")
             raise ValueError(f"{'--resume: ' * args.resume}{source}: its model has "
-                             f"{as_flag(field, getattr(config, field))}, where this run needs "
-                             f"{as_flag(field, value)}; {fix}")
+                             f"{what(getattr(config, field))}{trained}, where this run's task "
+                             f"needs {what(value)}; give the task the flags those weights were "
+                             f"trained with, or start from other weights")
+        fix = "drop the flag" + ("" if args.resume else ", or start from other weights")
+        raise ValueError(f"{'--resume: ' * args.resume}{source}: its model has "
+                         f"{as_flag(field, getattr(config, field))}, where this run needs "
+                         f"{as_flag(field, value)}; {fix}")
     with torch.device("meta"):  # e.g. lego attention has weights standard attention has not
         ours = GPT(config).state_dict().keys()
     theirs = checkpoint["model"].keys()
