@@ -705,6 +705,7 @@ def test_init_from_names_the_task_flags_behind_a_vocabulary_it_does_not_have(tmp
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
     train.main(flags + ["--out_dir", str(tmp_path / "source")])
     start = ["--init_from", str(tmp_path / "source"), "--out_dir", str(tmp_path / "target")]
+    assert flags[2:6] == ["--n_blocks", "4", "--block_len", "4"]  # TINY's sizes, left out below
     error = one_error_line(capsys, flags[:2] + flags[6:] + start)  # the toy task's default sizes
     assert error.endswith(f"--init_from {tmp_path / 'source'}: its model has a vocabulary of 16 "
                           f"tokens (trained with --task toy --n_blocks 4 --block_len 4), where this "
