@@ -332,12 +332,14 @@ def until_eos(ids):
     return ids[:ids.index(EOS)] if EOS in ids else ids
 
 
-def decode(ids):
+def decode(ids, keep_pad=False):
     """Text of token ids: PAD dropped, other specials shown as <bos> etc., and the first word of
-    the text or after a special capitalised, so decode(encode(text)) == text for boxes texts."""
+    the text or after a special capitalised, so decode(encode(text)) == text for boxes texts.
+    keep_pad: for an answer a model wrote, where a PAD is a word it wrote, not padding, so a
+    right answer with a PAD in it reads as wrong, as it is token by token."""
     words = []
     for i in ids:
-        if int(i) != PAD:
+        if int(i) != PAD or keep_pad:
             word = VOCAB[int(i)]
             words.append(word.capitalize() if not words or words[-1] in SPECIALS else word)
     return " ".join(words).replace(" ,", ",").replace(" .", ".")
@@ -840,7 +842,7 @@ class Boxes(Task):
                 out = model.generate(padded, model.config.block_size - int(lengths.max()),
                                      temperature=0, use_cache=model.can_cache(),
                                      stop_token=EOS, prompt_lengths=lengths).cpu()
-            answers += [decode(until_eos(row[length:]))
+            answers += [decode(until_eos(row[length:]), keep_pad=True)
                         for length, row in zip(lengths.tolist(), out.tolist())]
         return answers
 
@@ -909,7 +911,7 @@ class Boxes(Task):
         if predictions is not None:
             lines.append(self.describe_predictions(x, y, predictions))
         else:
-            answer = decode(until_eos(ids[sep + 1:]))
+            answer = decode(until_eos(ids[sep + 1:]), keep_pad=True)
             exact, boxes = self.score_answer(x[:sep + 1], answer)
             lines.append(f"model : {answer}")
             lines.append(f"exact match: {'yes' if exact else 'no'}; boxes right "

@@ -299,6 +299,24 @@ def test_written_answers_follow_the_test_prompts_in_order():
     assert all(t.score_answer(t.prompt_and_answer(i)[0], a)[0] for i, a in enumerate(answers))
 
 
+class PaddingModel(SimulatorModel):
+    """Writes the simulator's answer with a <pad> after its first word: wrong token by token."""
+
+    def generate(self, prompts, max_new_tokens, temperature, use_cache, stop_token, prompt_lengths):
+        rows = super().generate(prompts, max_new_tokens, temperature, use_cache, stop_token, prompt_lengths)
+        return torch.stack([torch.cat([row[:length + 1], torch.tensor([PAD]), row[length + 1:-1]])
+                            for row, length in zip(rows, prompt_lengths.tolist())])
+
+
+def test_a_written_pad_makes_an_answer_wrong():
+    t = task("advanced")
+    answers = t.write_answers(PaddingModel(), n=3, batch_size=2)
+    assert all(a.startswith("Box <pad> ") for a in answers)
+    assert t.score_answers(answers)["eval_exact_match"] == 0
+    ids = torch.cat([t.prompt_and_answer(0)[0], torch.tensor([TOKEN_IDS["Box"], PAD])])
+    assert "model : Box <pad>" in t.describe(ids)
+
+
 class HalfRightModel(SimulatorModel, torch.nn.Module):
     """Right on the prompts whose token ids sum to an even number, wrong on the others, alike in
     a forward pass (logits that pick the labels) and in generate (the simulator's answer)."""
