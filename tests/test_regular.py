@@ -127,6 +127,15 @@ def test_sampled_labels_agree_with_a_slow_direct_computation():
         assert task.vocab[label] == f"={sum(terms) % 5}"
 
 
+def test_modular_arithmetic_is_solved_at_any_length_and_as_python_reads_it():
+    task = get_task("modular_arithmetic")
+    x, y = task.sample(4, seeded(), length=10001)  # past what Python's parser nests
+    assert torch.equal(task.solve(x), y)
+    x, y = task.sample(64, seeded(2), length=30)  # Python's precedence, where its parser reaches
+    for row, label in zip(x.tolist(), y[:, -1].tolist()):
+        assert task.vocab[label] == f"={eval(' '.join(task.vocab[i] for i in row)) % 5}"
+
+
 def test_modular_arithmetic_layout_and_leading_plus():
     task = get_task("modular_arithmetic")
     digits, operators = torch.arange(5), torch.tensor([5, 6, 7])
