@@ -91,6 +91,9 @@ def build_parser():
         add(f"--{name}", **flag)
     add = parser.add_argument_group("optimizer (AdamW; weight decay on matrices only)").add_argument
     add("--batch_size", type=int, default=32, help="sequences per step, sampled fresh each step")
+    add("--micro_batches", type=int, default=1, help="run each batch as N parts, rows of similar "
+        "length together, each cut after its last scored token (causal models), and add their "
+        "gradients: the same step with less padding and memory")
     add("--lr", type=float, default=3e-3, help="peak learning rate")
     add("--min_lr", type=float, default=None, help="lr at the end of the decay; default lr/10")
     add("--warmup_iters", type=int, default=100, help="steps of linear warmup")
@@ -182,6 +185,12 @@ def synchronize(device):
         getattr(torch, device).synchronize()
 
 
+def out_of_memory(error):
+    """Whether a RuntimeError is PyTorch running out of memory: a GPU's has a class of its own,
+    the CPU allocator's only a message."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
 def learning_rate(step, args):
     """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters (as nanoGPT)."""
     if step < args.warmup_iters:
@@ -251,6 +260,10 @@ def parse_args(argv=None):
         if args.resume:
             check_same_model(args, typed, config, checkpoint)
         args.device = pick_device(args.device)
+        if args.dtype == "auto":  # bfloat16 on GPUs that support it
+            args.dtype = ("bfloat16" if args.device == "cuda" and torch.cuda.is_bf16_supported()
+                          else "float32")
+        check_memory(args, task, config, typed)
     except ValueError as error:
         parser.error(str(error))
     try:  # a directory this process can write to? Found now rather than at step 100
@@ -259,17 +272,19 @@ def parse_args(argv=None):
     except OSError as error:
         parser.error(f"--out_dir {args.out_dir}: cannot write there ({error.strerror}); pick "
                      f"another directory")
-    if args.dtype == "auto":  # bfloat16 on GPUs that support it
-        args.dtype = "bfloat16" if args.device == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     return args, task, config, checkpoint
 
 
 def check_numbers(args):
     """Counts and rates in range, each error naming its one flag."""
     for flag, lowest in dict(max_iters=1, eval_interval=1, batch_size=1, eval_samples=1,
-                             lr_decay_iters=1, warmup_iters=0, mimic_iters=0).items():
+                             lr_decay_iters=1, warmup_iters=0, mimic_iters=0,
+                             micro_batches=1).items():
         if getattr(args, flag) < lowest:
             raise ValueError(f"--{flag} {getattr(args, flag)} must be at least {lowest}")
+    if args.micro_batches > args.batch_size:
+        raise ValueError(f"--micro_batches {args.micro_batches} splits a batch into more parts "
+                         f"than its --batch_size {args.batch_size} rows")
     for flag in ("lr", "min_lr", "beta1", "beta2", "weight_decay", "grad_clip", "dropout"):
         value = getattr(args, flag)
         # float32's largest: a rate past it is finite in Python and infinite in the optimizer
@@ -304,19 +319,55 @@ def model_config(args, task):
                        args.bidirectional, n_layer=1 if adaptive else args.n_layer,
                        adaptive_depth=adaptive, broadcast_ids=tuple(task.broadcast_ids),
                        **{name: getattr(args, name) for name in same})
-    with torch.device("meta"):  # counts the parameters without allocating them
-        needed = 16 * GPT(config).num_params()  # bytes: weights, gradients, Adam's 2 moments
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): the check is skipped
-        memory = math.inf
-    if needed > memory / 2:
-        sizes = ("--block_size, --n_embd or --n_layer" if args.block_size else "--n_embd or "
-                 f"--n_layer, or the task's sizes (its {config.block_size}-token sequences, "
-                 f"{config.vocab_size} tokens)")
-        raise ValueError(f"this model needs about {needed / 2**30:.1f} GiB to train, more than "
-                         f"half of this machine's memory: lower {sizes}")
     return config
+
+
+def training_bytes(config, length, batch_size, dtype):
+    """(model, activations): a lower bound, in bytes, of what a training step holds. The model:
+    16 bytes a parameter (weight, gradient, Adam's two moments). The activations autograd keeps
+    for the backward pass, counted for a standard GPT-2 block (tests/test_train.py): 16 vectors
+    of width n_embd per token and layer applied (the MLP's 4 * n_embd before and after GELU are
+    half of them), and at the top a token's log-probabilities; float32, or at least 2 bytes a
+    value under bfloat16 autocast. Attentions that keep more (ChaCAL, T x T maps) need more."""
+    with torch.device("meta"):  # counts the parameters without allocating them
+        model = GPT(config).eval()  # eval: a stochastic depth's deepest draw, its full depth
+    per_token = 16 * config.n_embd * model.n_layers_for(length) + config.vocab_size
+    bytes_per_value = 2 if dtype == "bfloat16" else 4
+    return 16 * model.num_params(), bytes_per_value * batch_size * length * per_token
+
+
+def check_memory(args, task, config, typed):
+    """A ValueError, at start, for a run that cannot fit in its device's memory by the lower
+    bound of training_bytes. A run that passes can still run out; main() then says so."""
+    rows = -(-args.batch_size // args.micro_batches)  # a part's, at most
+    model_bytes, activation_bytes = training_bytes(config, task.block_size, rows, args.dtype)
+    if args.device == "cuda":
+        memory, where = torch.cuda.get_device_properties(0).total_memory, "this GPU's memory"
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): no check
+            return
+        where = "this machine's memory"  # (Apple's GPUs share it)
+    smaller = (f"start from smaller weights than --init_from {args.init_from}" if args.init_from
+               else "lower --block_size, --n_embd or --n_layer" if args.block_size
+               else "lower --n_embd or --n_layer")
+    if model_bytes > memory / 2:  # the rest is for activations, Python and PyTorch
+        task_sizes = ("" if args.init_from or args.block_size else f", or the task's sizes (its "
+                      f"{config.block_size}-token sequences, {config.vocab_size} tokens)")
+        raise ValueError(f"this model needs about {model_bytes / 2**30:.1f} GiB to train "
+                         f"(weights, gradients and Adam's moments), more than half of {where} "
+                         f"({memory / 2**30:.0f} GiB): {smaller}{task_sizes}")
+    if model_bytes + activation_bytes > memory * 3 / 4:  # a lower bound: the rest is a margin
+        given = ", ".join(f"--{flag} {typed[flag]}" for flag in task_class(args.task).flags
+                          if flag in typed) or "its defaults"
+        raise ValueError(f"a training step needs at least {activation_bytes / 2**30:.1f} GiB "
+                         f"for the backward pass of {rows} sequences (--batch_size / "
+                         f"--micro_batches) of up to {task.block_size} tokens, and "
+                         f"{model_bytes / 2**30:.1f} GiB for the model, more than three quarters "
+                         f"of {where} ({memory / 2**30:.0f} GiB): raise --micro_batches, lower "
+                         f"--batch_size or the length the task's flags give its sequences "
+                         f"({given}), or {smaller}")
 
 
 def check_writer(task_name, causal, adaptive, source=""):
@@ -349,6 +400,10 @@ def check_model_for_task(args, task, config):
         raise ValueError(f"--mimic_iters{source} shapes the learned maps of heads 0 and 1 of each "
                          f"layer: it needs --n_head 2 or more, and an --attn whose heads learn "
                          f"their maps")
+    if args.micro_batches > 1 and config.min_train_layers:
+        raise ValueError(f"--micro_batches {args.micro_batches}{source}: stochastic depth "
+                         f"(--min_train_layers) would draw a depth for each part, not one for "
+                         f"the step; drop one of the two")
     if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_block()):
         raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
 
@@ -554,6 +609,27 @@ def describe_metrics(record):
                                else f"{k} {v:.2%}" for k, v in shown.items())
 
 
+def split_batch(x, y, layout, n, cut):
+    """A batch (x, y and its layout) as n parts of rows sorted by where their scored tokens end,
+    with each part's share of the batch's scored tokens, so that the parts' losses weighted by
+    their shares add up to the batch's. With cut, each part ends after its last scored column:
+    for a model whose logits at t read tokens up to t only (one that decodes with a cache),
+    later columns change nothing, and the part's short rows carry less padding."""
+    scored = y != -1
+    ends = torch.where(scored.any(1), y.size(1) - scored.flip(1).int().argmax(1), 0)
+    total = int(scored.sum())
+    if total == 0:  # the batch's mean loss is 0 / 0: as one part, as without --micro_batches
+        yield x, y, layout, 1.0
+        return
+    for rows in ends.argsort(stable=True).tensor_split(n):
+        share = int(scored[rows].sum()) / total  # a float, exact at any precision of the loss
+        if share == 0:  # nothing to learn from (its mean loss would be 0 / 0)
+            continue
+        width = int(ends[rows].max()) if cut else y.size(1)
+        yield (x[rows, :width], y[rows, :width], {k: v[rows, :width] for k, v in layout.items()},
+               share)
+
+
 def train_loop(args, model, optimizer, task, rngs, state, autocast):
     """Train to max_iters, evaluating and saving every eval_interval steps and at the end; or
     to the first evaluation that reaches --stop_at_acc."""
@@ -569,9 +645,19 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = (t.to(args.device) for t in task.sample(args.batch_size, rngs[0]))
-        with autocast:  # layout: {} or, for an inductive scratchpad, positions and groups
-            logits, loss = model(x, y, **task.layout(x))
-        loss.backward()
+        layout = task.layout(x)  # {} or, for an inductive scratchpad, positions and groups
+        if args.micro_batches == 1:
+            with autocast:
+                logits, loss = model(x, y, **layout)
+            loss.backward()
+        else:
+            loss = 0.0
+            for x_part, y_part, layout_part, share in split_batch(
+                    x, y, layout, args.micro_batches, cut=model.can_cache()):
+                with autocast:
+                    _, part_loss = model(x_part, y_part, **layout_part)
+                (part_loss * share).backward()  # the batch's mean: each part by its scored share
+                loss = loss + part_loss.detach() * share
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
@@ -667,6 +753,16 @@ def main(argv=None):
                          f"to the same command to continue from there" if saved else
                          "interrupted before the first checkpoint; nothing was saved, and any "
                          f"earlier run in {args.out_dir} is as it was") from None
+    except RuntimeError as error:  # past check_memory's bound, e.g. an attention's T x T maps
+        if not out_of_memory(error):
+            raise
+        saved = state["metrics"][-1]["step"] if state["metrics"] else 0
+        kept = (f"{args.out_dir}/ckpt.pt holds step {saved}: add --resume and a higher "
+                f"--micro_batches to continue" if saved else "nothing was saved")
+        raise SystemExit(f"train.py: error: {args.device} ran out of memory with --batch_size "
+                         f"{args.batch_size} sequences of up to {task.block_size} tokens in "
+                         f"--micro_batches {args.micro_batches}; raise --micro_batches, or lower "
+                         f"--batch_size or the task's sequence length; {kept}") from None
     summary = summarize(args, config, model.num_params(), state["metrics"])
     print(summary["line"])
     return summary

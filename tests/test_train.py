@@ -220,6 +220,11 @@ BAD_FLAGS = [
     (["--seed", "1e23"], "--seed"),
     (["--warmup_iters", "100", "--lr_decay_iters", "50"], "--lr_decay_iters"),
     (["--block_size", "100000000"], "--block_size"),
+    (["--batch_size", "100000000"], "--batch_size"),  # terabytes of activations
+    (["--micro_batches", "0"], "--micro_batches"),
+    (["--batch_size", "4", "--micro_batches", "8"], "--micro_batches"),
+    (["--task", "parity", "--share_weights", "--n_layer", "4", "--min_train_layers", "2",
+      "--micro_batches", "2"], "--micro_batches"),
     (["--out_dir", ""], "--out_dir"),
     (["--stop_at_acc", "0"], "--stop_at_acc"),
     (["--stop_at_acc", "95"], "--stop_at_acc"),
@@ -550,6 +555,103 @@ def test_weights_that_break_while_the_loss_is_still_finite_are_named_as_such(tmp
     with pytest.raises(SystemExit, match="a weight became inf or nan by step 2;"):
         train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
     assert not (tmp_path / "ckpt.pt").exists()
+
+
+@pytest.mark.parametrize("flags", [
+    ["--task", "toy", "--n_blocks", "4", "--block_len", "4"],
+    ["--task", "boxes", "--boxes_version", "advanced", "--n_boxes", "4", "--n_filled", "2",
+     "--n_objects", "5", "--max_ops", "6", "--n_train", "64", "--n_test", "8", "--attn", "standard"],
+    ["--task", "cycles", "--cycle_n", "3", "--scratchpad", "inductive", "--attn", "standard"],
+    ["--task", "cycles", "--cycle_n", "3", "--scratchpad", "full", "--attn", "dilated"],
+    ["--task", "lego", "--bidirectional"],  # parts are not cut: every token reads every other
+    ["--task", "parity", "--share_weights", "--n_layer", "auto"],  # not cut: depth grows with length
+])
+def test_micro_batches_give_the_gradient_of_the_whole_batch(flags, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # boxes writes its dataset here
+    args, task, config, _ = train.parse_args(flags + ["--n_embd", "16", "--n_head", "2",
+                                                      "--micro_batches", "3", "--no-progress"])
+    torch.manual_seed(0)
+    model = train.GPT(config).double()
+    x, y = task.sample(7, torch.Generator().manual_seed(1))
+    layout = task.layout(x)
+
+    def gradients(parts):
+        model.zero_grad()
+        for x_part, y_part, layout_part, share in parts:
+            (model(x_part, y_part, **layout_part)[1] * share).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    whole = gradients([(x, y, layout, 1.0)])
+    split = list(train.split_batch(x, y, layout, 3, cut=model.can_cache()))
+    assert len(split) == 3 and sum(len(part[0]) for part in split) == 7
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-13) for a, b in zip(whole, gradients(split)))
+    widths = [part[0].size(1) for part in split]
+    assert widths == sorted(widths) and (widths[0] < x.size(1) or not model.can_cache()
+                                         or (y[:, -1] != -1).all())
+
+
+def test_a_run_in_micro_batches_trains_as_the_whole_batches_do(tmp_path):
+    # The same steps in float32, summed in another order: equal to float32's precision
+    runs = [train.main(TINY + ["--max_iters", "20", "--eval_interval", "10", "--micro_batches", n,
+                               "--out_dir", str(tmp_path / n)]) for n in ("1", "3")]
+    for whole, parts in zip(*(run["metrics"] for run in runs)):
+        assert parts["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-4)
+        assert parts["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["standard", "chacal", "dilated", "lego_v1"])
+def test_training_bytes_bounds_what_autograd_keeps_from_below(attn):
+    # The activations of a training step, counted independently: every tensor autograd saves
+    # for the backward pass, once per storage, the weights left out.
+    config = train.GPTConfig(block_size=48, vocab_size=40, n_layer=3, n_head=4, n_embd=32,
+                             attn=attn, causal=attn != "lego_v1")
+    torch.manual_seed(0)
+    model, saved = train.GPT(config), {}
+    x = torch.randint(0, 40, (5, 48))
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x, x)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = sum(n for pointer, n in saved.items() if pointer not in weights)
+    model_bytes, bound = train.training_bytes(config, 48, 5, "float32")
+    assert model_bytes == 16 * model.num_params()
+    assert bound <= kept
+    if attn == "standard":  # and close to it, so that the check refuses what cannot fit
+        assert kept < 1.1 * bound
+
+
+def test_a_run_too_large_for_memory_fails_at_start_naming_its_length_flags(tmp_path, capsys, monkeypatch):
+    (tmp_path / "words.txt").write_text("the cat sat on the mat. " * 2000)
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**18}  # a machine of 1 GiB
+    monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
+    error = one_error_line(capsys, ["--task", "text", "--data", str(tmp_path / "words.txt"),
+                                    "--context", "4000", "--out_dir", str(tmp_path / "run")])
+    assert "32 sequences (--batch_size / --micro_batches) of up to 4000 tokens" in error
+    assert "--context 4000)" in error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory."), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")])
+def test_running_out_of_memory_in_training_is_one_line_naming_what_was_kept(tmp_path, monkeypatch, error):
+    forward, calls = train.GPT.forward, []
+    def runs_out_at_step_5(model, *args, **kwargs):
+        calls.append(model.training)
+        if sum(calls) == 5:
+            raise error
+        return forward(model, *args, **kwargs)
+    monkeypatch.setattr(train.GPT, "forward", runs_out_at_step_5)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(TINY + ["--max_iters", "6", "--eval_interval", "3", "--out_dir", str(tmp_path)])
+    message = str(stopped.value.code)
+    assert message.startswith("train.py: error: cpu ran out of memory with --batch_size 8")
+    assert "ckpt.pt holds step 3: add --resume and a higher --micro_batches" in message
+    assert len(message.splitlines()) == 1
+    monkeypatch.setattr(train.GPT, "forward", lambda *args, **kwargs: 1 / 0)  # other errors: as they are
+    with pytest.raises(ZeroDivisionError):
+        train.main(TINY + ["--max_iters", "6", "--out_dir", str(tmp_path / "other")])
 
 
 def test_records_hold_the_mean_training_loss_of_their_interval(tmp_path, monkeypatch):
