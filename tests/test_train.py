@@ -586,8 +586,9 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch(flags, tmp_path, mon
     assert len(split) == 3 and sum(len(part[0]) for part in split) == 7
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-13) for a, b in zip(whole, gradients(split)))
     widths = [part[0].size(1) for part in split]
-    assert widths == sorted(widths) and (widths[0] < x.size(1) or not model.can_cache()
-                                         or (y[:, -1] != -1).all())
+    assert widths == sorted(widths)
+    if model.can_cache() and (y[:, -1] == -1).any():  # rows that end early: their part is cut
+        assert widths[0] < x.size(1)
 
 
 def test_a_run_in_micro_batches_trains_as_the_whole_batches_do(tmp_path):
