@@ -58,6 +58,12 @@ class Task:
     prompt_length = None       # sample.py: tokens read at once before decoding one at a time
     grouped = False            # layout() gives attention groups: the attention must take them
 
+    @property
+    def train_length(self):
+        """The longest row of a training batch, by which train.py sizes a step's memory:
+        block_size, unless the task tests on longer rows than it trains on."""
+        return self.block_size
+
     def evaluation_batches(self, n_samples, batch_size, generator):
         for start in range(0, n_samples, batch_size):
             yield self.sample(min(batch_size, n_samples - start), generator, split="test")
@@ -734,6 +740,10 @@ class Boxes(Task):
         self.rows = data  # {split: (N, block_size) uint8 token ids}
         self.block_size = data["train"].size(1)
 
+    @functools.cached_property
+    def train_length(self):
+        return int((self.rows["train"] != PAD).sum(1).max())  # a batch is cut to its longest
+
     def _generate(self, n, signatures, stream):
         rng = random.Random(f"boxes-{self.version}-{stream}")
         # Room for any example: <= 13 tokens per described box, per answered box and per
@@ -972,6 +982,10 @@ class LabelAtEnd(Task):
         self.block_size = test_max
         self.vocab = list(self.symbols) + list(self.classes)
         self.vocab_size = len(self.vocab)
+
+    @property
+    def train_length(self):
+        return self.train_lengths[-1]
 
     def sample(self, batch_size, generator=None, split="train", length=None):
         if length is None:  # drawn with the data's generator, so a seeded run repeats
@@ -1704,6 +1718,10 @@ class Cycles(Task):
             unscored |= copies(x, CYCLE_START, CYCLE_SEP)
         y[:, :-1] = y[:, :-1].masked_fill(unscored[:, 1:], -1)
         return x, y
+
+    @property
+    def train_length(self):
+        return self._length(*self.sizes["train"])
 
     def sample(self, batch_size, generator=None, split="train"):
         n, distance = self.sizes["test" if split == "test" else "train"]

@@ -91,9 +91,10 @@ def build_parser():
         add(f"--{name}", **flag)
     add = parser.add_argument_group("optimizer (AdamW; weight decay on matrices only)").add_argument
     add("--batch_size", type=int, default=32, help="sequences per step, sampled fresh each step")
-    add("--micro_batches", type=int, default=1, help="run each batch as N parts, rows of similar "
-        "length together, each cut after its last scored token (causal models), and add their "
-        "gradients: the same step with less padding and memory")
+    add("--micro_batches", type=int, default=1, help="train on each batch as N parts, rows of "
+        "similar length together, each cut after its last scored token (a model that decodes "
+        "with a cache), and add their gradients: the same step with less padding and memory "
+        "(evaluation runs whole batches)")
     add("--lr", type=float, default=3e-3, help="peak learning rate")
     add("--min_lr", type=float, default=None, help="lr at the end of the decay; default lr/10")
     add("--warmup_iters", type=int, default=100, help="steps of linear warmup")
@@ -186,9 +187,10 @@ def synchronize(device):
 
 
 def out_of_memory(error):
-    """Whether a RuntimeError is PyTorch running out of memory: a GPU's has a class of its own,
-    the CPU allocator's only a message."""
-    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+    """Whether a RuntimeError is PyTorch running out of memory: CUDA's has a class of its own,
+    the CPU's and Apple's allocators only a message."""
+    return (isinstance(error, torch.OutOfMemoryError)
+            or any(words in str(error) for words in ("can't allocate memory", "out of memory")))
 
 
 def learning_rate(step, args):
@@ -263,7 +265,7 @@ def parse_args(argv=None):
         if args.dtype == "auto":  # bfloat16 on GPUs that support it
             args.dtype = ("bfloat16" if args.device == "cuda" and torch.cuda.is_bf16_supported()
                           else "float32")
-        check_memory(args, task, config, typed)
+        check_memory(args, task, config)
     except ValueError as error:
         parser.error(str(error))
     try:  # a directory this process can write to? Found now rather than at step 100
@@ -336,11 +338,11 @@ def training_bytes(config, length, batch_size, dtype):
     return 16 * model.num_params(), bytes_per_value * batch_size * length * per_token
 
 
-def check_memory(args, task, config, typed):
+def check_memory(args, task, config):
     """A ValueError, at start, for a run that cannot fit in its device's memory by the lower
     bound of training_bytes. A run that passes can still run out; main() then says so."""
     rows = -(-args.batch_size // args.micro_batches)  # a part's, at most
-    model_bytes, activation_bytes = training_bytes(config, task.block_size, rows, args.dtype)
+    model_bytes, activation_bytes = training_bytes(config, task.train_length, rows, args.dtype)
     if args.device == "cuda":
         memory, where = torch.cuda.get_device_properties(0).total_memory, "this GPU's memory"
     else:
@@ -349,7 +351,8 @@ def check_memory(args, task, config, typed):
         except (AttributeError, ValueError, OSError):  # no sysconf (Windows): no check
             return
         where = "this machine's memory"  # (Apple's GPUs share it)
-    smaller = (f"start from smaller weights than --init_from {args.init_from}" if args.init_from
+    smaller = ("start a new --out_dir with a smaller model" if args.resume
+               else f"start from smaller weights than --init_from {args.init_from}" if args.init_from
                else "lower --block_size, --n_embd or --n_layer" if args.block_size
                else "lower --n_embd or --n_layer")
     if model_bytes > memory / 2:  # the rest is for activations, Python and PyTorch
@@ -359,11 +362,11 @@ def check_memory(args, task, config, typed):
                          f"(weights, gradients and Adam's moments), more than half of {where} "
                          f"({memory / 2**30:.0f} GiB): {smaller}{task_sizes}")
     if model_bytes + activation_bytes > memory * 3 / 4:  # a lower bound: the rest is a margin
-        given = ", ".join(f"--{flag} {typed[flag]}" for flag in task_class(args.task).flags
-                          if flag in typed) or "its defaults"
+        given = ", ".join(f"--{flag} {getattr(args, flag)}" for flag in task_class(args.task).flags
+                          if getattr(args, flag) is not None) or "its defaults"  # typed or saved
         raise ValueError(f"a training step needs at least {activation_bytes / 2**30:.1f} GiB "
                          f"for the backward pass of {rows} sequences (--batch_size / "
-                         f"--micro_batches) of up to {task.block_size} tokens, and "
+                         f"--micro_batches) of up to {task.train_length} tokens, and "
                          f"{model_bytes / 2**30:.1f} GiB for the model, more than three quarters "
                          f"of {where} ({memory / 2**30:.0f} GiB): raise --micro_batches, lower "
                          f"--batch_size or the length the task's flags give its sequences "
@@ -403,7 +406,8 @@ def check_model_for_task(args, task, config):
     if args.micro_batches > 1 and config.min_train_layers:
         raise ValueError(f"--micro_batches {args.micro_batches}{source}: stochastic depth "
                          f"(--min_train_layers) would draw a depth for each part, not one for "
-                         f"the step; drop one of the two")
+                         f"the step; drop " + ("--micro_batches" if source or args.resume
+                                               else "one of the two"))
     if task.grouped and not all(ATTENTIONS[n].takes_groups for n in config.attention_per_block()):
         raise ValueError(NO_GROUPS.format(attn=args.attn))  # now, not at the first step
 
@@ -638,6 +642,7 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
             and last["eval_acc"] >= args.stop_at_acc):
         return  # resuming a stopped run with a bar it has reached: nothing is left to do
     step, window = state["step"], []
+    state["phase"] = "training"
     bar = tqdm(total=args.max_iters, initial=step, disable=not args.progress, dynamic_ncols=True)
     tick = time.perf_counter()
     while step < args.max_iters:
@@ -686,6 +691,7 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
             record = {"step": step, "train_time": round(state["train_time"], 3), "lr": lr,
                       "train_loss": torch.stack(window).mean().item(), **state.pop("first_record", {})}
             final = step == args.max_iters
+            state["phase"] = "evaluating"  # in whole batches: what main() says if memory runs out
             record.update(task.evaluate(model, args.eval_samples, args.batch_size, rngs[1],
                                         args.device, autocast, final=final))
             stop = args.stop_at_acc is not None and record["eval_acc"] >= args.stop_at_acc
@@ -696,6 +702,7 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
                                       args.device, autocast, final=True)
                 record.update({k: v for k, v in extra.items() if k not in record}, stopped_early=True)
                 final = True
+            state["phase"] = "training"
             metrics = state["metrics"] + [record]
             with interrupts_deferred():  # what an interrupt names is what ckpt.pt holds
                 save_checkpoint(args.out_dir, model, optimizer, args, step, state["train_time"],
@@ -741,6 +748,7 @@ def main(argv=None):
         if args.resume:  # ckpt.pt's metrics, in case a kill came between it and metrics.jsonl
             write_metrics(args.out_dir, state["metrics"])
         if args.mimic_iters and state["step"] == 0:  # LEGO's, on unlabelled sequences of the task
+            state["phase"] = "mimicking"
             batches = (task.sample(args.batch_size, rngs[0])[0].to(args.device) for _ in
                        tqdm(range(args.mimic_iters), desc="mimicking", disable=not args.progress))
             losses = mimic(model, batches, args.lr, (args.beta1, args.beta2), autocast)
@@ -757,12 +765,19 @@ def main(argv=None):
         if not out_of_memory(error):
             raise
         saved = state["metrics"][-1]["step"] if state["metrics"] else 0
-        kept = (f"{args.out_dir}/ckpt.pt holds step {saved}: add --resume and a higher "
-                f"--micro_batches to continue" if saved else "nothing was saved")
-        raise SystemExit(f"train.py: error: {args.device} ran out of memory with --batch_size "
-                         f"{args.batch_size} sequences of up to {task.block_size} tokens in "
-                         f"--micro_batches {args.micro_batches}; raise --micro_batches, or lower "
-                         f"--batch_size or the task's sequence length; {kept}") from None
+        if state.get("phase", "training") == "training":
+            what = (f"training on --batch_size {args.batch_size} sequences of up to "
+                    f"{task.train_length} tokens in --micro_batches {args.micro_batches}")
+            fix, then = ("raise --micro_batches, or lower --batch_size or the task's sequence "
+                         "length", "a higher --micro_batches")
+        else:  # evaluation and mimicking run whole batches
+            what = (f"{state['phase']} whole batches of --batch_size {args.batch_size} sequences "
+                    f"of up to {task.block_size} tokens")
+            fix, then = "lower --batch_size", "a lower --batch_size"
+        kept = (f"{args.out_dir}/ckpt.pt holds step {saved}: add --resume and {then} to "
+                f"continue" if saved else "nothing was saved")
+        raise SystemExit(f"train.py: error: {args.device} ran out of memory {what}; {fix}; "
+                         f"{kept}") from None
     summary = summarize(args, config, model.num_params(), state["metrics"])
     print(summary["line"])
     return summary

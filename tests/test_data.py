@@ -112,6 +112,18 @@ def test_encode_inverts_decode_and_names_a_word_outside_the_vocabulary(name, opt
         task.encode(task.decode(x[0]) + " zebra")
 
 
+@pytest.mark.parametrize("name, options", [("toy", {}), ("parity", {}), ("tomita3", {}),
+                                           ("cycles", dict(cycle_n=3, test_cycle_n=5, scratchpad="inductive")),
+                                           ("boxes", dict(n_train=64, n_test=8, cache_dir=None))])
+def test_train_length_is_the_longest_training_row(name, options):
+    # train.py sizes a step's memory by it: it must be reached, and never passed, in training
+    task = get_task(name, **options)
+    widths = [task.sample(16, torch.Generator().manual_seed(seed))[0].size(1) for seed in range(60)]
+    assert max(widths) == task.train_length <= task.block_size
+    if name in ("parity", "tomita3", "cycles"):  # they test on longer rows than they train on
+        assert task.train_length < task.block_size
+
+
 def test_cycles_encode_refuses_the_padding_that_decode_leaves_out():
     task = get_task("cycles", cycle_n=3)
     with pytest.raises(ValueError, match="'<pad>' is not a word"):

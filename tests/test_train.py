@@ -632,6 +632,17 @@ def test_a_run_too_large_for_memory_fails_at_start_naming_its_length_flags(tmp_p
     assert "32 sequences (--batch_size / --micro_batches) of up to 4000 tokens" in error
     assert "--context 4000)" in error
     assert not (tmp_path / "run").exists()
+    # sized by the rows it trains on: parity tests up to 6,000 symbols, but trains on up to 40
+    train.parse_args(["--task", "parity", "--max_test_length", "6000", "--out_dir", str(tmp_path / "p")])
+    # resuming, the task's flags are the saved ones, and the model cannot shrink
+    monkeypatch.undo()
+    text = ["--task", "text", "--data", str(tmp_path / "words.txt"), "--context", "64"]
+    train.main(text + ["--max_iters", "2", "--eval_interval", "2", "--eval_samples", "8",
+                       "--no-progress", "--out_dir", str(tmp_path / "small")])
+    monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
+    error = one_error_line(capsys, ["--resume", "--out_dir", str(tmp_path / "small"),
+                                    "--batch_size", "100000", "--max_iters", "4"])
+    assert "--context 64)" in error and "start a new --out_dir with a smaller model" in error
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory."), RuntimeError(
@@ -647,9 +658,23 @@ def test_running_out_of_memory_in_training_is_one_line_naming_what_was_kept(tmp_
     with pytest.raises(SystemExit) as stopped:
         train.main(TINY + ["--max_iters", "6", "--eval_interval", "3", "--out_dir", str(tmp_path)])
     message = str(stopped.value.code)
-    assert message.startswith("train.py: error: cpu ran out of memory with --batch_size 8")
+    assert message.startswith("train.py: error: cpu ran out of memory training on --batch_size 8")
     assert "ckpt.pt holds step 3: add --resume and a higher --micro_batches" in message
     assert len(message.splitlines()) == 1
+    # evaluation runs whole batches: more parts would not help there
+    calls.clear()
+    def runs_out_evaluating_at_step_6(model, *args, **kwargs):
+        calls.append(model.training)
+        if sum(calls) == 6 * 2 and not model.training:  # 6 steps of 2 parts each
+            raise error
+        return forward(model, *args, **kwargs)
+    monkeypatch.setattr(train.GPT, "forward", runs_out_evaluating_at_step_6)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(TINY + ["--max_iters", "6", "--eval_interval", "3", "--micro_batches", "2",
+                           "--out_dir", str(tmp_path / "evaluating")])
+    message = str(stopped.value.code)
+    assert "ran out of memory evaluating whole batches of --batch_size 8" in message
+    assert "ckpt.pt holds step 3: add --resume and a lower --batch_size" in message
     monkeypatch.setattr(train.GPT, "forward", lambda *args, **kwargs: 1 / 0)  # other errors: as they are
     with pytest.raises(ZeroDivisionError):
         train.main(TINY + ["--max_iters", "6", "--out_dir", str(tmp_path / "other")])
