@@ -16,9 +16,11 @@ The tasks of nanoChaCAL, each behind the same small interface (the class Task be
     task.vocab_size, task.block_size, task.train_defaults
 
 `generator` is a torch.Generator (on the CPU), so a seeded run sees the same data every time.
-train.py and sample.py call only this interface and never name a task.
+train.py and sample.py call only this interface and never name a task. `python data.py lego`
+prints a fresh test example of a task with its answer.
 """
 
+import argparse
 import contextlib
 import functools
 import hashlib
@@ -912,7 +914,8 @@ class Boxes(Task):
     def describe(self, x, y=None, predictions=None):
         """Readable lines about one row x (T,): the prompt, the expected answer, and the model's.
         With predictions, the model's tokens along the answer (read with the true answer before
-        them); without, the answer written in x after <sep>, scored as evaluate() scores it."""
+        them); without, the answer written in x after <sep>, if any, scored as evaluate() scores
+        it."""
         ids = x.tolist()
         sep = ids.index(SEP)
         truth, _ = simulate(decode(ids[1:sep]))
@@ -920,7 +923,7 @@ class Boxes(Task):
                  f"truth : {self.render_answer(truth)}"]
         if predictions is not None:
             lines.append(self.describe_predictions(x, y, predictions))
-        else:
+        elif len(ids) > sep + 1:
             answer = decode(until_eos(ids[sep + 1:]), keep_pad=True)
             exact, boxes = self.score_answer(x[:sep + 1], answer)
             lines.append(f"model : {answer}")
@@ -2088,11 +2091,35 @@ def task_from_settings(settings):
                              if settings.get(k) is not None})
 
 
+def example_with_answer(name, seed=0):
+    """A test example of task `name` at its default sizes, with the answer its solver gives: what
+    `python data.py NAME` prints. A task that writes its answer shows the prompt and the right
+    completion; the others, the sequence and its labels."""
+    task = get_task(name)
+    x, _ = task.example(torch.Generator().manual_seed(seed))
+    return task.describe(x[0]) if task.generates_answer else task.describe(x[0], task.solve(x)[0])
+
+
 if __name__ == "__main__":
-    task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
-    x, y = task.sample(1, torch.Generator().manual_seed(766))  # PointerChains' worked example
-    print(task.describe(x[0], y[0]))
-    for scratchpad in SCRATCHPADS:  # the worked example of Cycles' docstring
-        task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
-        prompt = task.prompts(task.sample(1, torch.Generator().manual_seed(1))[0])[0]
-        print(f"{task.decode(prompt)}  |  {task.decode(task.completion(prompt))}")
+    parser = argparse.ArgumentParser(prog="data.py", description="Print a test example of a task "
+                                     "with its answer; with no task, the worked examples of the "
+                                     "toy and cycles docstrings.")
+    parser.add_argument("task", nargs="?", choices=TASKS, metavar="TASK",
+                        help=f"one of {', '.join(TASKS)}, at its default sizes")
+    parser.add_argument("--seed", type=int, default=0, help="which example (default: 0)")
+    args = parser.parse_args()
+    from train import check_seed  # not at the top: train.py imports this module
+    try:
+        check_seed(args.seed)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.task:
+        print(example_with_answer(args.task, args.seed))
+    else:
+        task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
+        x, y = task.sample(1, torch.Generator().manual_seed(766))  # PointerChains' worked example
+        print(task.describe(x[0], y[0]))
+        for scratchpad in SCRATCHPADS:  # the worked example of Cycles' docstring
+            task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+            prompt = task.prompts(task.sample(1, torch.Generator().manual_seed(1))[0])[0]
+            print(f"{task.decode(prompt)}  |  {task.decode(task.completion(prompt))}")

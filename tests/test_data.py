@@ -1,5 +1,9 @@
 """Tasks: labels against a brute-force solver, and the structure each task promises."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -24,6 +28,29 @@ def test_toy_worked_example_from_the_docstring():
     drawn, labels = task.sample(1, torch.Generator().manual_seed(766))  # what `python data.py` shows
     assert torch.equal(drawn, x) and labels.tolist() == task.solve(x).tolist()
     assert task.decode(x[0]) == "9 4 1 0 3 2 4 5"
+
+
+@pytest.mark.parametrize("name", list(data.TASKS))
+def test_data_py_shows_an_example_of_any_task_with_the_solvers_answer(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # boxes and text write their data_cache/ here
+    shown = data.example_with_answer(name, seed=1)
+    if name == "text":  # a window of the corpus, whose continuation is the answer
+        assert shown.startswith("--- prompt")
+    else:  # a prompt shows the right completion and no "model :" line of an empty answer
+        assert "truth" in shown and "model" not in shown
+
+
+def test_data_py_command_line(tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data.py")
+    run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True,
+                                       text=True, cwd=tmp_path)
+    shown = run("lego", "--seed", "2")
+    assert shown.returncode == 0 and shown.stdout.startswith("sentence: [CLS]")
+    assert run().stdout.startswith("block  0 values  : [9, 4]")  # no task: the docstrings'
+    for wrong, named in ((["legos"], "invalid choice: 'legos'"),
+                         (["toy", "--seed", "-1"], "--seed -1 must lie in")):
+        refused = run(*wrong)
+        assert refused.returncode == 2 and named in refused.stderr.splitlines()[-1]
 
 
 def test_toy_blocks_permute_the_previous_block_positions():
