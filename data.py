@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import (copies, first_line, from_hub, generate_inductive, inductive_layout,
-                   training_form)
+from model import (copies, evaluating, first_line, from_hub, generate_inductive,
+                   inductive_layout, training_form)
 
 
 class Task:
@@ -142,23 +142,21 @@ def score_batches(model, batches, chain_depth, layout, device="cpu",
     exact match: each greedy step then sees the same prefix as here, so it writes the same token.
     layout(x): the task's extra arguments of the model (Task.layout).
     """
-    was_training = model.training
-    model.eval()
     total_loss, hits, counts, whole, n_sequences = 0.0, {}, {}, 0, 0
-    for x, y in batches:
-        depth = chain_depth(x)
-        with autocast:
-            logits, loss = model(x.to(device), y.to(device), **layout(x.to(device)))
-        correct = (logits.argmax(dim=-1).cpu() == y)
-        scored = y != -1
-        total_loss += loss.item() * scored.sum().item()  # the loss is a mean over scored tokens
-        whole += (correct | ~scored).all(dim=1).sum().item()
-        n_sequences += x.size(0)
-        for d in depth[scored].unique().tolist():
-            at_depth = scored & (depth == d)
-            hits[d] = hits.get(d, 0) + correct[at_depth].sum().item()
-            counts[d] = counts.get(d, 0) + at_depth.sum().item()
-    model.train(was_training)
+    with evaluating(model):
+        for x, y in batches:
+            depth = chain_depth(x)
+            with autocast:
+                logits, loss = model(x.to(device), y.to(device), **layout(x.to(device)))
+            correct = (logits.argmax(dim=-1).cpu() == y)
+            scored = y != -1
+            total_loss += loss.item() * scored.sum().item()  # the loss is a mean over scored tokens
+            whole += (correct | ~scored).all(dim=1).sum().item()
+            n_sequences += x.size(0)
+            for d in depth[scored].unique().tolist():
+                at_depth = scored & (depth == d)
+                hits[d] = hits.get(d, 0) + correct[at_depth].sum().item()
+                counts[d] = counts.get(d, 0) + at_depth.sum().item()
     return {
         "eval_loss": total_loss / sum(counts.values()),
         "eval_acc": sum(hits.values()) / sum(counts.values()),

@@ -19,6 +19,7 @@ which only looks back, is never bidirectional):
   BERT-like mode (LEGO).
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -206,11 +207,24 @@ def from_hub(loader, name):
     from huggingface_hub import constants
     hub = urlparse(constants.ENDPOINT)
     try:
-        socket.create_connection((hub.hostname, hub.port or 443), timeout=5).close()
+        port = hub.port or (80 if hub.scheme == "http" else 443)
+        socket.create_connection((hub.hostname, port), timeout=5).close()
     except OSError as error:
         raise OSError(f"{name} is not in transformers' cache and {hub.hostname} cannot be "
                       f"reached to download it ({error})") from None
     return loader.from_pretrained(name)
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """model in eval mode for the block, then in the mode it was in, even if the block raises:
+    a caller that catches the error would otherwise go on training without its dropout."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 class GPT(nn.Module):
@@ -462,22 +476,21 @@ class GPT(nn.Module):
             raise ValueError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
                              f"({max_new_tokens}) has the model read {read} tokens, more than "
                              f"block_size {self.config.block_size}")
-        was_training = self.training
-        self.eval()
-        caches = self.new_caches() if use_cache else None
-        new_tokens = idx  # what the next forward has to read: all of it without a cache
-        finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        while idx.size(1) < end:
-            logits, _ = self(new_tokens if use_cache else idx, caches=caches)
-            next_token = self.pick_token(logits[:, -1, :], temperature, top_k, generator)
-            next_token, in_prompt = forced_prompt_tokens(next_token, prompts, lengths, idx.size(1))
-            idx = torch.cat([idx, next_token], dim=1)
-            new_tokens = next_token
-            if stop_token is not None:
-                finished |= (next_token[:, 0] == stop_token) & ~in_prompt
-                if finished.all():
-                    break
-        self.train(was_training)
+        with evaluating(self):
+            caches = self.new_caches() if use_cache else None
+            new_tokens = idx  # what the next forward has to read: all of it without a cache
+            finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+            while idx.size(1) < end:
+                logits, _ = self(new_tokens if use_cache else idx, caches=caches)
+                next_token = self.pick_token(logits[:, -1, :], temperature, top_k, generator)
+                next_token, in_prompt = forced_prompt_tokens(next_token, prompts, lengths,
+                                                             idx.size(1))
+                idx = torch.cat([idx, next_token], dim=1)
+                new_tokens = next_token
+                if stop_token is not None:
+                    finished |= (next_token[:, 0] == stop_token) & ~in_prompt
+                    if finished.all():
+                        break
         return idx
 
     @staticmethod
@@ -637,35 +650,33 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
     at most two states. Same options as GPT.generate (no prompt_lengths). Decoding stops early
     if a state outgrows the position table (a model that has not learned to write # yet).
     """
-    was_training = model.training
-    model.eval()
     B, device = idx.size(0), idx.device
-    rows, caches = InductiveRows(B, start_id, sep_id), model.new_caches() if use_cache else None
-    pending = [([], [], []) for _ in range(B)]  # per row, what the model has yet to read
-    for r, prompt in enumerate(idx.tolist()):  # the prompt, read as its tokens come
-        for token in prompt:
-            for whole, part in zip(pending[r], rows.step(r, token)):
-                whole += part
-    step_logits = []
-    for _ in range(max_new_tokens):
-        if use_cache:  # what is new since the last step; each row's last column is its last token
-            tokens, positions, groups = left_padded(pending, device)
-            last = torch.full((B,), tokens.size(1) - 1, device=device)
-        else:          # everything, in the training form
-            tokens, positions, groups, last = padded_training_forms(idx, start_id, sep_id)
-        if model.config.pos == "learned" and int(positions.max()) >= model.config.block_size:
-            break  # a state longer than the position table: a model that does not write # yet
-        logits = model(tokens, caches=caches, positions=positions, groups=groups)[0]
-        logits = logits[torch.arange(B), last]                                  # (B, vocab)
-        if use_cache:
-            forget(caches, torch.tensor(rows.group, device=device))
-        next_token = model.pick_token(logits, temperature, top_k, generator)  # (B, 1)
-        idx = torch.cat([idx, next_token], dim=1)
-        step_logits.append(logits)
-        pending = [rows.step(r, token) for r, token in enumerate(next_token[:, 0].tolist())]
-        if stop_token is not None and (idx[:, -len(step_logits):] == stop_token).any(1).all():
-            break
-    model.train(was_training)
+    with evaluating(model):
+        rows, caches = InductiveRows(B, start_id, sep_id), model.new_caches() if use_cache else None
+        pending = [([], [], []) for _ in range(B)]  # per row, what the model has yet to read
+        for r, prompt in enumerate(idx.tolist()):  # the prompt, read as its tokens come
+            for token in prompt:
+                for whole, part in zip(pending[r], rows.step(r, token)):
+                    whole += part
+        step_logits = []
+        for _ in range(max_new_tokens):
+            if use_cache:  # what is new since the last step; a row's last column, its last token
+                tokens, positions, groups = left_padded(pending, device)
+                last = torch.full((B,), tokens.size(1) - 1, device=device)
+            else:          # everything, in the training form
+                tokens, positions, groups, last = padded_training_forms(idx, start_id, sep_id)
+            if model.config.pos == "learned" and int(positions.max()) >= model.config.block_size:
+                break  # a state longer than the position table: a model that does not write # yet
+            logits = model(tokens, caches=caches, positions=positions, groups=groups)[0]
+            logits = logits[torch.arange(B), last]                                  # (B, vocab)
+            if use_cache:
+                forget(caches, torch.tensor(rows.group, device=device))
+            next_token = model.pick_token(logits, temperature, top_k, generator)  # (B, 1)
+            idx = torch.cat([idx, next_token], dim=1)
+            step_logits.append(logits)
+            pending = [rows.step(r, token) for r, token in enumerate(next_token[:, 0].tolist())]
+            if stop_token is not None and (idx[:, -len(step_logits):] == stop_token).any(1).all():
+                break
     if not return_logits:
         return idx
     no_logits = model.lm_head.weight.new_empty(B, 0, model.config.vocab_size)  # no step was taken

@@ -367,6 +367,9 @@ def test_generate_decodes_in_eval_mode_and_restores_the_mode():
     model.train()
     assert torch.equal(model.generate(prompt, 10, temperature=0), in_eval)
     assert model.training
+    with pytest.raises(ValueError, match="temperature -1"):  # also when decoding fails
+        model.generate(prompt, 10, temperature=-1)
+    assert model.training
     assert model.can_cache() and not small_model("lego_v0").can_cache()
 
 

@@ -1,6 +1,8 @@
 """GPT.from_pretrained against transformers' own GPT-2, on a tiny random one built here (no
 download): the same logits, with standard attention and with ChaCAL at γ = 0."""
 
+import types
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ transformers = pytest.importorskip(
     "transformers", reason="GPT.from_pretrained is optional: pip install transformers")
 
 import data  # noqa: E402
-from model import GPT  # noqa: E402  (after the skip: model.py itself does not need transformers)
+from model import GPT, from_hub  # noqa: E402  (after the skip: model.py itself does not need transformers)
 
 VOCAB = 100
 
@@ -114,6 +116,26 @@ def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch):
     with pytest.raises(OSError, match=r"^gpt2 is not in transformers' cache and \S+ cannot be reached"):
         GPT.from_pretrained("gpt2")
     assert tries == [True]  # the download, which retries for half a minute, was never tried
+
+
+@pytest.mark.parametrize("endpoint, address", [
+    ("https://huggingface.co", ("huggingface.co", 443)), ("http://mirror.lan", ("mirror.lan", 80)),
+    ("http://mirror.lan:8080", ("mirror.lan", 8080))])
+def test_the_hub_is_probed_at_its_own_port(endpoint, address, monkeypatch):
+    # HF_ENDPOINT may name a plain-http mirror: its default port is 80, not https' 443.
+    from huggingface_hub import constants
+    probed = []
+
+    def not_cached(name, local_files_only=False):
+        if local_files_only:
+            raise OSError(f"{name} not found")
+        return "downloaded"
+
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr("socket.create_connection", lambda where, timeout: probed.append(where)
+                        or types.SimpleNamespace(close=lambda: None))
+    assert from_hub(types.SimpleNamespace(from_pretrained=not_cached), "gpt2") == "downloaded"
+    assert probed == [address]
 
 
 def test_gpt2_tokenizer_offline_and_not_cached_fails_at_once_saying_why(monkeypatch):

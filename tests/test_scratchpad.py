@@ -171,6 +171,9 @@ def test_inductive_generation_decodes_in_eval_mode_and_restores_the_mode(use_cac
     assert torch.equal(generate_inductive(model, prompts, 20, START, SEP, temperature=0,
                                           use_cache=use_cache), in_eval)
     assert model.training
+    with pytest.raises(ValueError, match="temperature -1"):  # also when decoding fails
+        generate_inductive(model, prompts, 20, START, SEP, temperature=-1, use_cache=use_cache)
+    assert model.training
 
 
 def test_greedy_inductive_generation_writes_the_same_with_and_without_cache():
