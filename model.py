@@ -496,7 +496,8 @@ class GPT(nn.Module):
     @staticmethod
     def pick_token(logits, temperature, top_k=None, generator=None):
         """The next token (B, 1) from last-position logits (B, vocab): argmax at temperature 0,
-        else a draw from the softmax at that temperature, among the top_k if given."""
+        else a draw from the softmax at that temperature, among the top_k if given (and any tied
+        with the k-th, as nanoGPT keeps them)."""
         if not temperature >= 0 or (top_k is not None and top_k < 1):
             raise ValueError(f"temperature {temperature} must be >= 0 and top_k {top_k} at least 1")
         if temperature == 0:
