@@ -703,15 +703,15 @@ class LEGOAttention(StandardAttention):
         """How many of the n_head heads stay ordinary softmax heads: none in v0."""
         return 0
 
-    def fixed_maps(self, token_ids):
-        """(B, n_maps, T, T) float: A_asso, then A_b for each broadcast id b; rows sum to 1."""
+    def fixed_maps(self, token_ids, dtype=torch.float32):
+        """(B, n_maps, T, T) in dtype: A_asso, then A_b for each broadcast id b; rows sum to 1."""
         B, T = token_ids.shape
         same = token_ids[:, :, None] == token_ids[:, None, :]                   # (B, T, T)
         broadcast = [(token_ids == b)[:, None, :].expand(B, T, T) for b in self.broadcast_ids]
-        maps = torch.stack([same, *broadcast], dim=1).float()                   # (B, n_maps, T, T)
+        maps = torch.stack([same, *broadcast], dim=1).to(dtype)                 # (B, n_maps, T, T)
         if self.causal:
             maps = maps.tril()  # before normalising, so each row shares 1 among visible keys
-        return maps / maps.sum(dim=-1, keepdim=True).clamp(min=1)  # entries are 0/1: exact
+        return maps / maps.sum(dim=-1, keepdim=True).clamp(min=1)  # 1 / count, rounded in dtype
 
     def manipulate(self, v):
         """The convolution pathway on its values v (B, T, w): returns (B, T, w)."""
@@ -722,9 +722,9 @@ class LEGOAttention(StandardAttention):
 
     def attention_map(self, q, k, token_ids, depth):
         """The fixed maps, then (v1, q and k not None) the standard heads' softmax weights."""
-        maps = self.fixed_maps(token_ids)
         if q is None:
-            return maps
+            return self.fixed_maps(token_ids)
+        maps = self.fixed_maps(token_ids, torch.promote_types(q.dtype, torch.float32))
         return torch.cat([maps.to(q.dtype), attention_weights(q, k, self.causal)], dim=1)
 
     def forward(self, x, cache=None, token_ids=None, depth=0, groups=None):
@@ -738,7 +738,9 @@ class LEGOAttention(StandardAttention):
         map_values, conv_values = self.c_value(x).split(
             [self.n_maps * self.map_width, self.conv_width], dim=2)
         map_values = map_values.view(B, T, self.n_maps, self.map_width).transpose(1, 2)
-        maps = self.fixed_maps(token_ids).to(map_values.dtype)              # (B, n_maps, T, T)
+        # 1 / count at the values' precision, or float32's under bf16 autocast, then cast
+        maps = self.fixed_maps(token_ids, torch.promote_types(map_values.dtype, torch.float32))
+        maps = maps.to(map_values.dtype)                                    # (B, n_maps, T, T)
         y_maps = maps @ map_values                                          # (B, n_maps, T, w)
         heads = [y_maps.transpose(1, 2).reshape(B, T, -1), self.manipulate(conv_values)]
         q = k = None

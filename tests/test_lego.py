@@ -321,25 +321,25 @@ def lego_attention(name, causal, n_embd=16, n_head=2, broadcast_ids=(0, 1)):
 def test_association_and_broadcast_maps_follow_their_definitions(causal):
     u = TOKENS[0].tolist()
     T = len(u)
-    maps = lego_attention("lego_v0", causal).fixed_maps(TOKENS)[0]
+    maps = lego_attention("lego_v0", causal).fixed_maps(TOKENS, torch.float64)[0]
     assert maps.shape == (3, T, T)
     rules = [lambda i, j: u[i] == u[j], lambda i, j: u[j] == 0, lambda i, j: u[j] == 1]
     for m, rule in enumerate(rules):
-        expected = torch.zeros(T, T)
+        expected = torch.zeros(T, T, dtype=torch.float64)
         for i in range(T):
             for j in range(T):
                 expected[i, j] = float(rule(i, j) and (j <= i or not causal))
             if expected[i].sum() > 0:
                 expected[i] /= expected[i].sum()
-        torch.testing.assert_close(maps[m], expected)
+        torch.testing.assert_close(maps[m], expected, rtol=0, atol=1e-15)  # 1/3 in float64
     sums = maps.sum(dim=-1)
     # Association always has the diagonal, and [CLS] comes first: their rows all sum to 1.
-    torch.testing.assert_close(sums[:2], torch.ones(2, T))
+    torch.testing.assert_close(sums[:2], torch.ones(2, T, dtype=torch.float64))
     if causal:  # [SEP] is at position 7: nothing before it has a [SEP] to read
         assert (maps.triu(1) == 0).all()
         assert sums[2].tolist() == [0.0] * 7 + [1.0, 1.0]
     else:
-        torch.testing.assert_close(sums[2], torch.ones(T))
+        torch.testing.assert_close(sums[2], torch.ones(T, dtype=torch.float64))
 
 
 def test_without_broadcast_ids_only_association_is_built():
@@ -357,7 +357,7 @@ def test_output_equals_pathways_and_heads_computed_by_hand(name, layout, causal)
     kept, w, hs, T = layout[0], layout[1], 8, 9
     x = torch.randn(1, T, 16, dtype=torch.float64)
     values = x[0] @ attn.c_value.weight.T + attn.c_value.bias            # (T, 3w + conv)
-    maps = attn.fixed_maps(TOKENS)[0].double()
+    maps = attn.fixed_maps(TOKENS, torch.float64)[0]
     heads = [maps[p] @ values[:, p * w:(p + 1) * w] for p in range(3)]
     conv_values = values[:, 3 * w:]
     left = 20 if causal else 10  # how far back the kernel's first tap reads
@@ -379,7 +379,7 @@ def test_output_equals_pathways_and_heads_computed_by_hand(name, layout, causal)
                 scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
             standard.append(scores.softmax(dim=-1) @ v[:, part])
     expected = attn.c_proj(torch.cat(heads + [conv] + standard, dim=1))
-    torch.testing.assert_close(attn(x, token_ids=TOKENS)[0], expected)
+    torch.testing.assert_close(attn(x, token_ids=TOKENS)[0], expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["lego_v0", "lego_v1"])
