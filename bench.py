@@ -83,7 +83,9 @@ def in_turns(fns, device, repeats):
 
 
 def median(seconds):
-    return seconds[len(seconds) // 2]
+    """The median of sorted timings: the middle one, or the mean of the two middle ones."""
+    middle = len(seconds) // 2
+    return seconds[middle] if len(seconds) % 2 else (seconds[middle - 1] + seconds[middle]) / 2
 
 
 def medians_in_turns(fns, device, repeats):

@@ -122,7 +122,8 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
     """
     parser = train.build_parser()
     out_dirs = [parser.parse_known_args(argv)[0].out_dir for argv in argvs]
-    twice = sorted({d for d in out_dirs if out_dirs.count(d) > 1})
+    folders = [os.path.normpath(d) for d in out_dirs]  # run and ./run/ are one folder
+    twice = sorted({d for d in folders if folders.count(d) > 1})
     if twice:  # two runs would overwrite each other's checkpoints
         raise ValueError(f"train_many: more than one run writes to {', '.join(twice)}")
     if resume_saved:
@@ -141,23 +142,31 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
                 try:
                     line = finished.result()["line"]
                 except concurrent.futures.BrokenExecutor:  # a worker was killed, not failed
-                    # Every unfinished run fails so at once, in no telling order: name them all.
+                    # Every unfinished run fails so at once, in no telling order. Runs start
+                    # in the order given, `jobs` at a time: the first `jobs` unfinished ones
+                    # were in progress, the rest had not started.
                     broken = [log for run, log in running.items() if run.done() and not run.cancelled()
                               and isinstance(run.exception(), concurrent.futures.BrokenExecutor)]
-                    raise SystemExit(f"a worker process died without an error (most often killed "
-                                     f"for lack of memory: run fewer at a time); what the runs "
-                                     f"in progress printed is in {', '.join(broken)}")
+                    raise WorkersKilled(f"a worker process died without an error (most often "
+                                        f"killed for lack of memory: run fewer at a time); what "
+                                        f"the runs in progress printed is in "
+                                        f"{', '.join(broken[:jobs])}")
                 except BaseException as error:  # SystemExit too: its message went to the log
                     raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
                                      f"output is in {running[finished]}")
                 print(f"[{count}/{len(running)} runs, {jobs} at a time, "
                       f"{time.perf_counter() - started:.0f} s] {line}", flush=True)
         except BaseException as error:  # a failed run or Ctrl-C: runs not yet started never start
-            if not isinstance(error, KeyboardInterrupt):  # (Ctrl-C stops the workers too)
+            # Ctrl-C stops the workers too, and a killed worker has stopped them all.
+            if not isinstance(error, (KeyboardInterrupt, WorkersKilled)):
                 print(f"{error}\nthe runs in progress finish first; the others never start", flush=True)
             pool.shutdown(cancel_futures=True)
             raise
         return [run.result() for run in running]
+
+
+class WorkersKilled(SystemExit):
+    """train_many's exit when a worker process was killed: no run is left in progress."""
 
 
 def reuse_if_saved(argv):

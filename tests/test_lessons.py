@@ -200,6 +200,8 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
     assert common.reuse_if_saved(parity)[-1] == "--resume"
     with pytest.raises(ValueError, match="more than one run writes to"):
         common.train_many([TINY + out, TINY + out])
+    with pytest.raises(ValueError, match="more than one run writes to"):  # one folder, two names
+        common.train_many([TINY + out, TINY + [out[0], out[1] + "/"]])
 
 
 def test_steps_to_is_the_first_evaluation_at_or_above_the_threshold():
@@ -236,11 +238,12 @@ def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tm
     assert not (tmp_path / "queued7").exists()
 
 
-def test_a_killed_parallel_run_is_named_as_killed(tmp_path):
+def test_a_killed_parallel_run_is_named_as_killed(tmp_path, capsys):
     # A worker killed from outside (the kernel's out-of-memory killer, say) leaves no error
-    # behind, only a broken pool: the message must say what most likely happened.
+    # behind, only a broken pool: the message must say what most likely happened, and name the
+    # runs in progress, not the third, which never started.
     argvs = [TINY + ["--max_iters", "1000000", "--out_dir", str(tmp_path / f"run{k}")]
-             for k in range(2)]
+             for k in range(3)]
     raised = []
     def train_both():
         try:
@@ -258,6 +261,8 @@ def test_a_killed_parallel_run_is_named_as_killed(tmp_path):
     caller.join(timeout=120)
     assert raised and "died without an error" in raised[0] and "fewer at a time" in raised[0]
     assert all(str(tmp_path / f"run{k}" / "log.txt") in raised[0] for k in range(2))  # both named
+    assert "run2" not in raised[0]
+    assert "the runs in progress finish first" not in capsys.readouterr().out  # none is left
 
 
 def test_the_gpu_scale_of_the_shared_toy_runs_passes_train_py_checks(tmp_path):

@@ -387,6 +387,11 @@ def test_bench_measures_every_section_at_a_tiny_size(capsys, monkeypatch):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
                     reason="bench.py measures a CPU's peak memory on Linux only")
+def test_bench_median_of_an_even_count_is_the_mean_of_the_middle_two():
+    import bench
+    assert bench.median([1.0, 2.0, 3.0, 4.0]) == 2.5 and bench.median([1.0, 2.0, 9.0]) == 2.0
+
+
 def test_bench_memory_grows_with_the_one_solves_maps_only():
     import bench
     T, n_head = 512, 2
