@@ -109,6 +109,10 @@ def report(text, numbers):
     print(f"· {text}: {numbers}")
 
 
+class WorkersKilled(SystemExit):
+    """train_many's exit when a worker process was killed: no run is left in progress."""
+
+
 def train_many(argvs, jobs=1, resume_saved=REUSE):
     """train.main(argv) for every argument list, `jobs` at a time; the summaries, in order.
 
@@ -163,10 +167,6 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
             pool.shutdown(cancel_futures=True)
             raise
         return [run.result() for run in running]
-
-
-class WorkersKilled(SystemExit):
-    """train_many's exit when a worker process was killed: no run is left in progress."""
 
 
 def reuse_if_saved(argv):
