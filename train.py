@@ -717,8 +717,11 @@ def train_loop(args, model, optimizer, task, rngs, state, autocast):
     bar.close()
 
 
-def summarize(args, config, n_params, metrics):
-    """The run's last record, its history, and one line that says how it went."""
+def summarize(args, config, n_params, metrics, resumed_train_time=0.0):
+    """The run's last record, its history, and one line that says how it went.
+
+    resumed_train_time: the training seconds the checkpoint held when --resume continued it
+    (0 for a fresh run), so a caller can tell them from the seconds this command trained."""
     final = metrics[-1]
     first_99 = next((f"at step {m['step']} ({m['train_time']:.0f} s)" for m in metrics
                      if m["eval_acc"] >= 0.99), "never")
@@ -730,13 +733,15 @@ def summarize(args, config, n_params, metrics):
             f"{final['train_time']:.0f} s on {args.device} ({args.dtype}); accuracy >= 99% "
             f"{first_99}; {describe_metrics(final)}; metrics in {args.out_dir}/metrics.jsonl")
     return {"line": line, "final": final, "metrics": metrics, "n_params": n_params,
-            "device": args.device, "dtype": args.dtype, "args": vars(args)}
+            "device": args.device, "dtype": args.dtype, "args": vars(args),
+            "resumed_train_time": resumed_train_time}
 
 
 def main(argv=None):
     try:
         args, task, config, checkpoint = parse_args(argv)
         model, optimizer, rngs, state = set_up(args, config, checkpoint)
+        resumed_train_time = state["train_time"]
     except KeyboardInterrupt:  # e.g. while a large dataset is drawn, which is cached only whole
         raise SystemExit("interrupted before training began; nothing was written") from None
     autocast = (torch.autocast(device_type=args.device, dtype=torch.bfloat16)
@@ -778,7 +783,7 @@ def main(argv=None):
                 f"continue" if saved else "nothing was saved")
         raise SystemExit(f"train.py: error: {args.device} ran out of memory {what}; {fix}; "
                          f"{kept}") from None
-    summary = summarize(args, config, model.num_params(), state["metrics"])
+    summary = summarize(args, config, model.num_params(), state["metrics"], resumed_train_time)
     print(summary["line"])
     return summary
 

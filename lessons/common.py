@@ -195,11 +195,12 @@ def reuse_if_saved(argv):
 def taken_as_saved(argvs, runs, lesson, jobs):
     """What a lesson adds to its time about the runs train_many took as `lesson` saved them
     (reuse_if_saved gave their argv --resume), or "" when it trained every run itself: that
-    training happened in the other lesson, so this lesson's time leaves it out."""
+    training happened in the other lesson, so this lesson's time leaves it out. A run `lesson`
+    left unfinished was continued here: only the time its checkpoint held is the other lesson's."""
     taken = [run for argv, run in zip(argvs, runs) if "--resume" in argv]
     if not taken:
         return ""
-    minutes = sum(run["final"]["train_time"] for run in taken) / 60
+    minutes = sum(run["resumed_train_time"] for run in taken) / 60
     return (f"; {len(taken)} runs taken as {lesson} saved them (their {minutes:.1f} min of training, "
             f"{jobs} at a time, is not in this time)")
 

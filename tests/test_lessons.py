@@ -219,7 +219,9 @@ def test_steps_to_is_the_first_evaluation_at_or_above_the_threshold():
 
 def test_only_the_runs_taken_as_saved_are_named_beside_the_lesson_time():
     argvs = [["--out_dir", "a"], ["--out_dir", "b", "--resume"], ["--out_dir", "c", "--resume"]]
-    runs = [{"final": {"train_time": seconds}} for seconds in (600.0, 90.0, 30.0)]
+    # c was saved unfinished at 30 s and trained 45 s more here: only its 30 s are Lesson 1's.
+    runs = [{"final": {"train_time": total}, "resumed_train_time": saved}
+            for total, saved in ((600.0, 0.0), (90.0, 90.0), (75.0, 30.0))]
     assert common.taken_as_saved(argvs, runs, "Lesson 1", 2) == (
         "; 2 runs taken as Lesson 1 saved them (their 2.0 min of training, 2 at a time, is not in this time)")
     assert common.taken_as_saved([argvs[0]], runs[:1], "Lesson 1", 2) == ""

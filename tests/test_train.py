@@ -74,8 +74,12 @@ def test_resume_continues_a_run_exactly(tmp_path):
                     "--warmup_iters", "2", "--lr_decay_iters", "12"]
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     train.main(flags + ["--max_iters", "12", "--out_dir", str(straight)])
-    train.main(flags + ["--max_iters", "4", "--out_dir", str(halves)])   # "killed" at step 4
-    train.main(["--resume", "--max_iters", "12", "--out_dir", str(halves), "--no-progress"])
+    first = train.main(flags + ["--max_iters", "4", "--out_dir", str(halves)])   # "killed" at step 4
+    resumed = train.main(["--resume", "--max_iters", "12", "--out_dir", str(halves), "--no-progress"])
+    # The summary tells the checkpoint's training seconds from those this command added.
+    assert first["resumed_train_time"] == 0.0
+    assert first["final"]["train_time"] > 0
+    assert resumed["resumed_train_time"] == pytest.approx(first["final"]["train_time"], abs=1e-3)
     a = torch.load(straight / "ckpt.pt", weights_only=False)
     b = torch.load(halves / "ckpt.pt", weights_only=False)
     for name, tensor in a["model"].items():
