@@ -71,15 +71,19 @@ def main(argv=None):
         flag = ("--prompt" if args.prompt is not None else "--length" if args.length is not None
                 else "the run's test example")
         # A model that writes its answer stops at block_size, positions learned or not.
-        fix = ("shorten it" if task.generates_answer
-               else "a model trained with --pos none runs at any length")
+        fix = ("a model trained with --pos none runs at any length" if not task.generates_answer
+               else "this model cannot continue any prompt: it reads one token at most"
+               if model.config.block_size < 2 else "shorten it" if args.prompt is not None
+               else "give a smaller --length" if args.length is not None
+               else "give a --prompt shorter than that")
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
             raise ValueError(f"{flag}: {x.size(1)} tokens, and this model has learned positions "
                              f"up to {model.config.block_size}; {fix}")
         room = model.config.block_size - x.size(1)
         if task.generates_answer and room < 1:
-            raise ValueError(f"{flag}: {x.size(1)} tokens leave no room to answer within "
-                             f"block_size {model.config.block_size}; {fix}")
+            tokens = "1 token leaves" if x.size(1) == 1 else f"{x.size(1)} tokens leave"
+            raise ValueError(f"{flag}: {tokens} no room to answer within block_size "
+                             f"{model.config.block_size}; {fix}")
     except ValueError as error:
         parser.error(str(error))
     use_cache = args.cache and model.can_cache()

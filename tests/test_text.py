@@ -192,6 +192,18 @@ def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_
         assert "--pos none" not in err  # a model that writes stops at block_size even so
 
 
+def test_sample_says_a_one_token_context_cannot_continue_any_prompt(corpus, tmp_path, capsys):
+    train.main(TINY + ["--data", str(corpus), "--context", "1", "--max_iters", "1",
+                       "--eval_interval", "1", "--out_dir", str(tmp_path)])
+    capsys.readouterr()
+    for typed in ([], ["--prompt", "the cat"]):  # no prompt to shorten, and none short enough
+        with pytest.raises(SystemExit):
+            sample.main(["--out_dir", str(tmp_path), "--device", "cpu"] + typed)
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "shorten" not in err, err
+        assert err.strip().endswith("cannot continue any prompt: it reads one token at most"), err
+
+
 def test_sample_says_when_the_runs_text_is_gone(corpus, tmp_path, capsys):
     data = tmp_path / "moved.txt"  # --data is the run's flag, not sample.py's: the error says so
     data.write_bytes(corpus.read_bytes())
