@@ -20,7 +20,6 @@ train.py and sample.py call only this interface and never name a task. `python d
 prints a fresh test example of a task with its answer.
 """
 
-import argparse
 import contextlib
 import functools
 import hashlib
@@ -2099,20 +2098,23 @@ def example_with_answer(name, seed=0):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="data.py", description="Print a test example of a task "
-                                     "with its answer; with no task, the worked examples of the "
-                                     "toy and cycles docstrings.")
+    from train import OneLineErrors, check_seed  # not at the top: train.py imports this module
+    parser = OneLineErrors(prog="data.py", description="Print a test example of a task with its "
+                           "answer; with no task, the worked examples of the toy and cycles "
+                           "docstrings.")
     parser.add_argument("task", nargs="?", choices=TASKS, metavar="TASK",
                         help=f"one of {', '.join(TASKS)}, at its default sizes")
-    parser.add_argument("--seed", type=int, default=0, help="which example (default: 0)")
+    parser.add_argument("--seed", type=int, help="which example of TASK (default: 0)")
     args = parser.parse_args()
-    from train import check_seed  # not at the top: train.py imports this module
     try:
-        check_seed(args.seed)
+        if args.seed is not None and args.task is None:  # the worked examples have their seeds
+            raise ValueError(f"--seed {args.seed} picks an example of a TASK; name one, e.g. "
+                             f"python data.py toy --seed {args.seed}")
+        check_seed(args.seed or 0)
     except ValueError as error:
         parser.error(str(error))
     if args.task:
-        print(example_with_answer(args.task, args.seed))
+        print(example_with_answer(args.task, args.seed or 0))
     else:
         task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
         x, y = task.sample(1, torch.Generator().manual_seed(766))  # PointerChains' worked example

@@ -48,9 +48,13 @@ def test_data_py_command_line(tmp_path):
     assert shown.returncode == 0 and shown.stdout.startswith("sentence: [CLS]")
     assert run().stdout.startswith("block  0 values  : [9, 4]")  # no task: the docstrings'
     for wrong, named in ((["legos"], "invalid choice: 'legos'"),
-                         (["toy", "--seed", "-1"], "--seed -1 must lie in")):
+                         (["toy", "--seed", "-1"], "--seed -1 must lie in"),
+                         (["--seed", "3"], "--seed 3 picks an example of a TASK"),  # not ignored
+                         (["toy", "extra"], "unrecognized arguments: extra")):
         refused = run(*wrong)
-        assert refused.returncode == 2 and named in refused.stderr.splitlines()[-1]
+        assert refused.returncode == 2 and refused.stdout == "", wrong
+        assert refused.stderr.startswith("data.py: error: ") and named in refused.stderr, wrong
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr  # no usage line above it
 
 
 def test_toy_blocks_permute_the_previous_block_positions():
