@@ -479,9 +479,11 @@ def initial_weights(args, task, typed, checkpoint=None):
     config = GPTConfig(**{**checkpoint["config"], **swap})
     needed = {"vocab_size": task.vocab_size, "block_size": max(task.block_size, config.block_size),
               **{k: v for k, v in typed.items() if k in checkpoint["config"] and k not in swap}}
-    if needed.get("n_layer") == "auto":  # in GPTConfig, adaptive depth is its own field
-        del needed["n_layer"]
-        needed["adaptive_depth"] = True
+    if "n_layer" in needed:  # in GPTConfig adaptive depth is a field of its own, checked first:
+        n_layer = needed.pop("n_layer")  # an adaptive model's n_layer is a placeholder 1
+        needed["adaptive_depth"] = n_layer == "auto"
+        if n_layer != "auto":
+            needed["n_layer"] = n_layer
     if "bidirectional" in typed:  # the flag's field in GPTConfig is its opposite
         needed["causal"] = not args.bidirectional
     source = f"the run in {args.out_dir}" if args.resume else f"--init_from {args.init_from}"
@@ -634,13 +636,24 @@ def split_batch(x, y, layout, n, cut):
                share)
 
 
+def nothing_left(args, state):
+    """Why a resumed run has no step left to train (its flags then change nothing), or None."""
+    last = state["metrics"][-1] if state["metrics"] else {}
+    if state["step"] >= args.max_iters:
+        return f"it is at --max_iters {args.max_iters} already; give more steps to train on"
+    if (last.get("stopped_early") and args.stop_at_acc is not None
+            and last["eval_acc"] >= args.stop_at_acc):
+        return (f"it stopped at step {state['step']} with accuracy {last['eval_acc']:.2%}, past "
+                f"--stop_at_acc {args.stop_at_acc:g}; add --stop_at_acc never (or a higher bar) "
+                f"to train on")
+    return None
+
+
 def train_loop(args, model, optimizer, task, rngs, state, autocast):
     """Train to max_iters, evaluating and saving every eval_interval steps and at the end; or
     to the first evaluation that reaches --stop_at_acc."""
-    last = state["metrics"][-1] if state["metrics"] else {}
-    if (last.get("stopped_early") and args.stop_at_acc is not None
-            and last["eval_acc"] >= args.stop_at_acc):
-        return  # resuming a stopped run with a bar it has reached: nothing is left to do
+    if nothing_left(args, state):  # a finished run, resumed: taken as it is
+        return
     step, window = state["step"], []
     state["phase"] = "training"
     bar = tqdm(total=args.max_iters, initial=step, disable=not args.progress, dynamic_ncols=True)
@@ -749,6 +762,13 @@ def main(argv=None):
     resuming = f", resuming at step {state['step']}" if state["step"] else ""
     print(f"{args.task}: {config.describe()}, {model.num_params() / 1e6:.2f}M parameters, "
           f"{args.device} {args.dtype}{resuming}")
+    if args.resume and (why := nothing_left(args, state)):
+        print(f"nothing left to train in {args.out_dir}: {why}")
+    elif args.max_iters < args.warmup_iters:  # a short run's schedule is all warmup
+        top = args.lr * args.max_iters / args.warmup_iters  # learning_rate at the last step
+        print(f"note: --max_iters {args.max_iters} ends inside --warmup_iters "
+              f"{args.warmup_iters}: the learning rate climbs to {top:.3g}, never --lr "
+              f"{args.lr:g}, and never decays; lower --warmup_iters for the whole schedule")
     try:
         if args.resume:  # ckpt.pt's metrics, in case a kill came between it and metrics.jsonl
             write_metrics(args.out_dir, state["metrics"])

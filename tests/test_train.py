@@ -490,15 +490,37 @@ def test_stop_at_acc_ends_at_the_first_evaluation_that_reaches_it_and_stays_stop
     assert resumed["metrics"][-1]["step"] > first["step"]
 
 
-def test_a_stopped_run_goes_on_to_max_iters_when_resumed_with_stop_at_acc_never(tmp_path):
+def test_a_stopped_run_goes_on_to_max_iters_when_resumed_with_stop_at_acc_never(tmp_path, capsys):
     flags = TINY + ["--max_iters", "6", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     stopped = train.main(flags + ["--stop_at_acc", "1e-9"])  # any accuracy above 0 reaches it
     assert stopped["final"]["stopped_early"] and stopped["final"]["step"] == 2
     assert "(stopped: accuracy >= 1e-07%)" in stopped["line"]  # the bar as typed, not "0%"
+    capsys.readouterr()
     assert train.main(flags + ["--resume"])["final"]["step"] == 2  # the saved bar still holds
+    assert ("nothing left to train in " + str(tmp_path) + ": it stopped at step 2 with accuracy"
+            in capsys.readouterr().out)  # and says so, with the flag that would go on
     resumed = train.main(flags + ["--resume", "--stop_at_acc", "never", "--max_iters", "6"])
     assert [m["step"] for m in resumed["metrics"]] == [2, 4, 6]
     assert "6 steps in" in resumed["line"] and "(stopped" not in resumed["line"]
+
+
+def test_a_finished_run_resumed_says_it_has_nothing_left_to_train(tmp_path, capsys):
+    flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
+    train.main(flags)
+    capsys.readouterr()
+    resumed = train.main(flags + ["--resume", "--lr", "0.01"])  # a new --lr would act on nothing
+    assert resumed["final"]["step"] == 2
+    assert (f"nothing left to train in {tmp_path}: it is at --max_iters 2 already; give more "
+            f"steps to train on") in capsys.readouterr().out
+
+
+def test_a_run_shorter_than_its_warmup_says_it_never_reaches_lr(capsys):
+    warm = TINY + ["--max_iters", "4", "--eval_interval", "4", "--lr", "1e-3"]
+    train.main(warm + ["--warmup_iters", "8"])
+    assert ("note: --max_iters 4 ends inside --warmup_iters 8: the learning rate climbs to "
+            "0.0005, never --lr 0.001, and never decays" in capsys.readouterr().out)
+    train.main(warm + ["--warmup_iters", "4"])  # its last step is at --lr: no note
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_a_run_that_reaches_stop_at_acc_at_its_last_step_is_not_called_stopped_early(tmp_path):
@@ -746,6 +768,19 @@ def test_init_from_checks_the_model_it_takes_in_against_the_task(tmp_path, capsy
     torch.save(saved, tmp_path / "lego" / "ckpt.pt")
     error = one_error_line(capsys, ["--resume", "--out_dir", str(tmp_path / "lego")])
     assert "--bidirectional is missing" in error and "start a new --out_dir" in error
+
+
+def test_init_from_an_adaptive_model_refuses_a_fixed_n_layer_by_name(tmp_path, capsys):
+    lego = ["--task", "lego", "--bidirectional", "--share_weights", "--n_embd", "16", "--n_head",
+            "2", "--batch_size", "4", "--eval_samples", "8", "--no-progress", "--device", "cpu"]
+    train.main(lego + ["--n_layer", "auto", "--max_iters", "1", "--eval_interval", "1",
+                       "--out_dir", str(tmp_path / "a")])
+    for n_layer in ("1", "3"):  # 1 is the placeholder an adaptive config holds: not a match
+        with pytest.raises(SystemExit):
+            train.parse_args(lego + ["--n_layer", n_layer, "--init_from", str(tmp_path / "a"),
+                                     "--out_dir", str(tmp_path / "b")])
+        err = capsys.readouterr().err
+        assert "its model has --n_layer auto, where this run needs a fixed --n_layer" in err, err
 
 
 def test_init_from_takes_adaptive_depth_and_any_length_as_typed_again(tmp_path):
