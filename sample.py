@@ -64,7 +64,8 @@ def main(argv=None):
         try:
             task = task_from_settings(run)
         except ValueError as error:  # its data moved, say: the flag is the run's, not sample.py's
-            raise ValueError(f"the run in {args.out_dir} cannot rebuild its task: {error}") from None
+            raise ValueError(f"the run in {args.out_dir} cannot rebuild its task from the settings "
+                             f"it was trained with ({error}); restore what they name") from None
         x, n_prompt = task.example(torch.Generator().manual_seed(args.seed), args.prompt, args.length)
         task.decode(x[0, :1].cpu())  # a task that cannot write its tokens out (GPT-2 ids with no
         # tokenizer) says so here, before the model runs, rather than in a traceback after it
@@ -108,7 +109,8 @@ def main(argv=None):
         how = f"read one at a time after the {n_prompt}-token prompt"
     if n_tokens:
         path = "with the cache" if use_cache else "no cache, recomputing the prefix"
-        print(f"{n_tokens} tokens {how}: {n_tokens / seconds:.0f} tokens/s on {device} ({path})")
+        counted = "1 token" if n_tokens == 1 else f"{n_tokens} tokens"
+        print(f"{counted} {how}: {n_tokens / seconds:.0f} tokens/s on {device} ({path})")
     elif not task.generates_answer:
         print(f"{x.size(1)} tokens read in one pass")
 
