@@ -1,6 +1,6 @@
 """
-Speed and memory of every attention variant against standard attention, as ratios measured in
-one run.
+Speed and memory of ChaCAL, LEGO and Sliding-Dilated attention, mostly as ratios to standard
+attention measured in one run.
 
     python bench.py            # full sizes on a CUDA GPU; small sizes on a CPU or mps
     python bench.py --small    # the small sizes anywhere (2 minutes, 5 GB on a 2-core CPU)
@@ -15,7 +15,7 @@ Seven tables:
 4. LEGO attention v0 and v1 against standard attention in a bidirectional layer: FLOPs of a
    training step (forward + backward), attention parameters and step time (the comparison of
    the LEGO paper's Figure 9, which counts inference FLOPs on 64 x 512 tokens: the ratios of
-   forward alone differ from these by about 1%);
+   forward alone differ from these by at most 2%);
 5. Sliding-Dilated-Attention's training step on its two paths: the fast one, which gathers each
    query's C entries, against the masked T x T map it equals (one level costs the same at any
    dilation, so one layer stands for each of the log_C T levels);
@@ -331,7 +331,8 @@ def main(argv=None):
     parser = OneLineErrors(prog="bench.py", description=__doc__.split("\n\n")[0].strip())
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
     parser.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per measurement "
+                        "(decoding, and table 6 beyond T = 2048: at most 3)")
     parser.add_argument("--long_only", action="store_true",
                         help="only tables 6 and 6b: long sequences (fused, one-solve and blocked "
                         "ChaCAL), then ChaCAL's automatic path at short ones")

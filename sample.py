@@ -8,8 +8,9 @@ Run a trained model on one example of its task and print its answers beside the 
     python sample.py --out_dir out-text --prompt "The assert statement"   # text: a continuation
 
 The task decides what the model does with the example. Most tasks give a sequence that the model
-reads as a decoder would: a prompt at once (for ChaCAL, one triangular solve), then one token at a
-time against the per-layer cache, its prediction at each position being its answer there. A task
+reads as a decoder would: a prompt at once (for ChaCAL, a triangular solve; on a CPU, from 128
+tokens, in blocks of rows), then one token at a time against the per-layer cache, its prediction
+at each position being its answer there. A task
 that generates_answer (data.Task) gives a prompt, after which the model writes greedily.
 The cache changes only the speed. A bidirectional model, or one that cannot keep a cache
 (adaptive depth, LEGO attention), reads the whole sequence in one pass, as training evaluates it:
@@ -119,4 +120,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        raise SystemExit("interrupted; sample.py writes nothing, so nothing is lost") from None
+        raise SystemExit("interrupted; sample.py changes nothing of the run (a data cache it was "
+                         "rebuilding is written whole or not at all), so nothing is lost") from None

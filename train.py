@@ -115,7 +115,8 @@ def build_parser():
     add("--out_dir", default="out", type=os.path.expanduser, help="where ckpt.pt and "
         "metrics.jsonl go; a fresh run replaces an earlier one there only when it saves its first "
         "checkpoint")
-    add("--resume", action="store_true", help="continue the run in out_dir; typed flags override")
+    add("--resume", action="store_true", help="continue the run in out_dir; typed training flags override its settings (those that "
+        "would change its model or task, or act only at a run's start, are refused)")
     add("--init_from", type=os.path.expanduser, help="start a fresh run from trained weights: a "
         "run directory of ours, or a GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this "
         "--attn, --gamma, --dropout")
@@ -452,8 +453,9 @@ def as_flag(field, value):
 
 
 def initial_weights(args, task, typed, checkpoint=None):
-    """--init_from: (config, weights) of a run's model or a GPT-2's, with this command's --attn,
-    --gamma and --dropout; a typed flag changing its shape is an error. (Resuming: its own.)"""
+    """--init_from: (config, checkpoint) of a run's model or a GPT-2's, its weights under "model",
+    with this command's --attn, --gamma and --dropout; a typed flag changing its shape is an
+    error. (Resuming: its own.)"""
     name = args.init_from
     # A path, not a model on the Hugging Face hub ("gpt2", "org/name"): no download is tried.
     looks_local = (os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
@@ -550,7 +552,9 @@ def save_checkpoint(out_dir, model, optimizer, args, step, train_time, rngs, met
                   "train_time": train_time, "metrics": metrics,
                   "rng": {"torch": torch.get_rng_state(), "data": rngs[0].get_state(),
                           "eval": rngs[1].get_state(),
-                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+                          "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                          # an Apple GPU draws dropout's masks from a generator of its own
+                          "mps": torch.mps.get_rng_state() if args.device == "mps" else None}}
     # written aside and renamed: a kill during the save leaves the old checkpoint whole
     write_whole(os.path.join(out_dir, "ckpt.pt"), lambda temporary: torch.save(checkpoint, temporary))
 
@@ -599,6 +603,8 @@ def set_up(args, config, checkpoint):
         eval_rng.set_state(checkpoint["rng"]["eval"])
         if checkpoint["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+        if checkpoint["rng"].get("mps") is not None and args.device == "mps":  # none before
+            torch.mps.set_rng_state(checkpoint["rng"]["mps"])
         state.update(step=checkpoint["step"], train_time=checkpoint["train_time"],
                      metrics=list(checkpoint["metrics"]))
     elif os.path.exists(os.path.join(args.out_dir, "ckpt.pt")):
@@ -756,7 +762,8 @@ def main(argv=None):
         model, optimizer, rngs, state = set_up(args, config, checkpoint)
         resumed_train_time = state["train_time"]
     except KeyboardInterrupt:  # e.g. while a large dataset is drawn, which is cached only whole
-        raise SystemExit("interrupted before training began; nothing was written") from None
+        raise SystemExit("interrupted before training began; no checkpoint was written, and any "
+                         "earlier run in out_dir is as it was") from None
     autocast = (torch.autocast(device_type=args.device, dtype=torch.bfloat16)
                 if args.dtype == "bfloat16" else contextlib.nullcontext())
     resuming = f", resuming at step {state['step']}" if state["step"] else ""

@@ -165,7 +165,8 @@ def test_a_fresh_run_stopped_before_its_first_checkpoint_leaves_the_earlier_run(
         train.main(flags)
     assert [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")] == before
     monkeypatch.setattr(train, "set_up", interrupt)  # Ctrl-C before the first step
-    with pytest.raises(SystemExit, match="^interrupted before training began; nothing was written$"):
+    with pytest.raises(SystemExit, match="^interrupted before training began; no checkpoint was "
+                                         "written, and any earlier run in out_dir is as it was$"):
         train.main(flags)
     assert [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")] == before
     monkeypatch.undo()
