@@ -92,7 +92,8 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
 
     so tokens already solved enter only through (k_i, m_i). Given their keys `past_k` and mixed
     values `past_mixed`, the new tokens solve a small triangular system of their own, and a single
-    new token needs no solve at all: it is ordinary attention over the mixed values.
+    new token needs no solve at all: it is ordinary attention over the cached mixed values and its
+    own (1-γ)v_t.
 
     Two paths compute the causal case. The one-solve path below builds A, T x T, and solves once:
     the readable reference, and the faster one for short sequences. The blocked path
@@ -202,8 +203,8 @@ class BlockedChaCAL(torch.autograd.Function):
 
     with A_b the block's rows of A (normalised over every key up to the row, as always), M_<e
     the earlier mixed values and A_bb the block's own n x n lower triangle: a small unit
-    lower-triangular solve per block. Only q, k, v, Y and each row's log-normaliser are kept, q, k
-    and v in their own dtype: under bf16 autocast they are cast to the solve's float32 a block of
+    lower-triangular solve per block. Only q, k, v, Y, each row's log-normaliser (and a past's
+    keys and mixed values) are kept, q, k and v in their own dtype: under bf16 autocast they are cast to the solve's float32 a block of
     rows at a time (the keys once per pass), since float32 copies of all three, kept for the
     backward, would cost more memory than fused attention's whole step.
 
@@ -462,7 +463,7 @@ class ChaCALAttention(StandardAttention):
         if cache is None:
             visible = None if groups is None else group_visibility(groups, groups)
             return self.solve(q, k, v, visible=visible).to(v.dtype)
-        # The cache holds keys and mixed values in the model's dtype, as any KV cache holds its
+        # The cache holds keys and mixed values in k's and v's dtype, as any KV cache holds its
         # values: under bf16 autocast, decoding rounds the m_t that a full pass keeps in float32.
         # With groups, the new tokens see the cached ones their groups allow (key groups: the
         # cached ones' and their own).
@@ -675,7 +676,7 @@ class LEGOAttention(StandardAttention):
     kernel_size = 21
     learned_maps = False    # its first heads are the fixed maps, which mimicking cannot shape
     takes_groups = False    # maps read off token ids and a convolution: no mask to restrict
-    decodes_with_cache = False  # its maps see every token (LEGO is a bidirectional task)
+    decodes_with_cache = False  # no cached path: maps and convolution read the whole sequence
 
     def __init__(self, config):
         super().__init__(config)  # gives c_attn (resized by v1, dropped by v0), c_proj (C -> C)

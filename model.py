@@ -32,12 +32,12 @@ from attention import ATTENTIONS, LayerCache
 
 @dataclass
 class GPTConfig:
-    block_size: int = 128   # the longest sequence the model accepts (rows of the position table)
+    block_size: int = 128   # rows of the position table: with --pos learned, the longest sequence
     vocab_size: int = 128   # number of distinct token ids
     n_layer: int = 1        # layers run per input (distinct blocks: n_blocks())
     n_head: int = 4         # attention heads per block; n_embd must be a multiple of it
     n_embd: int = 128       # width of the residual stream; the MLP is 4x wider, as GPT-2
-    dropout: float = 0.0    # dropout on embeddings and residual branches; 0 in every paper run
+    dropout: float = 0.0    # dropout on embeddings and residual branches; ChaCAL's paper used none
     bias: bool = True       # biases in Linear and LayerNorm layers, as GPT-2
     attn: str = "chacal"    # attention of every block ("chacal"), or one per block ("standard,chacal")
     gamma: float = 0.9      # ChaCAL's γ in [0, 1): 0 is standard attention, the paper uses 0.9
@@ -293,7 +293,8 @@ class GPT(nn.Module):
 
     def attention_maps(self, idx):
         """The attention weights of every layer run on idx (B, T), in order: a list of
-        (B, nh, T, T), differentiable (mimicking trains them). Shared blocks give one per use."""
+        (B, nh, T, T) (LEGO attention: its fixed maps, then its kept heads, on the second axis),
+        differentiable (mimicking trains them). Shared blocks give one per use."""
         maps = []
         for block in self.transformer.h:
             block.attn.maps = maps
@@ -316,7 +317,8 @@ class GPT(nn.Module):
     def can_cache(self):
         """Whether generate() can decode against a cache: only a causal model (a bidirectional
         one does not decode at all), not under adaptive depth (the layer count grows with the
-        sequence), nor with LEGO attention (its maps see every token)."""
+        sequence), nor with LEGO attention (it has no cached path: its maps and convolution read
+        the whole sequence)."""
         return (self.config.causal and not self.config.adaptive_depth
                 and all(ATTENTIONS[name].decodes_with_cache
                         for name in self.config.attention_per_block()))
@@ -448,7 +450,7 @@ class GPT(nn.Module):
         """Continue idx (B, T) by max_new_tokens tokens; returns (B, T + new tokens).
 
         temperature=0 is greedy decoding. With use_cache the prompt is encoded once (for ChaCAL,
-        one triangular solve) and every new token costs one step against the cache; without it,
+        one triangular system) and every new token costs one step against the cache; without it,
         each new token recomputes the whole sequence, which is slower but obviously right.
         Decodes in eval mode (no dropout, the full depth), then restores the mode it found.
 
@@ -536,7 +538,8 @@ def forced_prompt_tokens(next_token, prompts, lengths, position):
 #   second, as the previous state, opens the next; the task gives the second no loss;
 # - generate_inductive: decoding with the same masks and positions, with or without a cache.
 #
-# With t tokens in Q, a state of two tokens (node, #) and k = 3 states, the form and its layout:
+# With t tokens up to the start token ':' included, a state of two tokens (node, #) and k = 3
+# states, the form and its layout:
 #
 #     token     Q ... :   s1 #    s1 #   s2 #    s2 #   s3
 #     group     0 ... 0   1  1    2  2   2  2    3  3   3
@@ -578,7 +581,7 @@ def inductive_layout(idx, start_id, sep_id):
         group    = 0 on Q (up to the start token), else 1 + ⌈j / 2⌉ on segment j
         position = its index on Q, else t + (its index - the index of its group's first token)
 
-    t being the length of Q in that row. A row without the start token is all group 0 with
+    t being the number of tokens up to its start token, included. A row without the start token is all group 0 with
     positions 0, 1, 2, ...: the ordinary layout."""
     segment = segments(idx, start_id, sep_id)
     groups = torch.where(segment < 0, 0, 1 + (segment + 1) // 2)
@@ -598,7 +601,7 @@ def copies(idx, start_id, sep_id):
 
 class InductiveRows:
     """Where each row of a batch decoded under the inductive scratchpad stands: the group and
-    position of its next token, the length of its Q once the start token is written, its
+    position of its next token, its t (tokens up to the start token, included) once that is written, its
     current state's tokens. step() turns a row's next token into what the model must read."""
 
     def __init__(self, batch_size, start_id, sep_id):
@@ -612,7 +615,8 @@ class InductiveRows:
         group, position, t = self.group[r], self.position[r], self.question[r]
         if t is not None and token == self.sep_id:
             # A # closes the state: it becomes the previous state of a new group, read again
-            # from position t (the appendix's "compute the key-value pairs again").
+            # from position t (the appendix's first remedy for the cache: compute the keys and
+            # values of s[i-1]'s tokens again).
             reread = self.state[r] + [token]
             self.group[r], self.position[r], self.state[r] = group + 1, t + len(reread), []
             return reread, list(range(t, t + len(reread))), [group + 1] * len(reread)
@@ -646,9 +650,9 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
     Without a cache every token rereads the training form of the sequence so far with its
     layout (inductive_layout): slow, and obviously what training computes. With a cache a token
     costs one step of ordinary cached decoding, and a # that closes state s[i] costs reading
-    s[i] # again, as the previous state of the next group at positions t, t+1, ... (Appendix C's
-    first option). The cache then forgets group i, which no later token can see: it keeps Q and
-    at most two states. Same options as GPT.generate (no prompt_lengths). Decoding stops early
+    s[i] # again, as the previous state of the next group at positions t, t+1, ... (the first of
+    Appendix C's two remedies for the cache). The cache then forgets group i, which no later
+    token can see: it keeps Q and at most two states. Same options as GPT.generate (no prompt_lengths). Decoding stops early
     if a state outgrows the position table (a model that has not learned to write # yet).
     """
     B, device = idx.size(0), idx.device
