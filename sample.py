@@ -10,11 +10,11 @@ Run a trained model on one example of its task and print its answers beside the 
 The task decides what the model does with the example. Most tasks give a sequence that the model
 reads as a decoder would: a prompt at once (for ChaCAL, a triangular solve; on a CPU, from 128
 tokens, in blocks of rows), then one token at a time against the per-layer cache, its prediction
-at each position being its answer there. A task
-that generates_answer (data.Task) gives a prompt, after which the model writes greedily.
-The cache changes only the speed. A bidirectional model, or one that cannot keep a cache
-(adaptive depth, LEGO attention), reads the whole sequence in one pass, as training evaluates it:
-under adaptive depth a shorter prefix would run through fewer layers.
+at each position being its answer there. A task that generates_answer (data.Task) gives a
+prompt, after which the model writes greedily. The cache changes only the speed. A bidirectional
+model, or one that cannot keep a cache (adaptive depth, LEGO attention), reads the whole sequence
+in one pass, as training evaluates it: under adaptive depth a shorter prefix would run through
+fewer layers.
 """
 
 import argparse

@@ -115,8 +115,9 @@ def build_parser():
     add("--out_dir", default="out", type=os.path.expanduser, help="where ckpt.pt and "
         "metrics.jsonl go; a fresh run replaces an earlier one there only when it saves its first "
         "checkpoint")
-    add("--resume", action="store_true", help="continue the run in out_dir; typed training flags override its settings (those that "
-        "would change its model or task, or act only at a run's start, are refused)")
+    add("--resume", action="store_true", help="continue the run in out_dir; typed training flags "
+        "override its settings (those that would change its model or task, or act only at a "
+        "run's start, are refused)")
     add("--init_from", type=os.path.expanduser, help="start a fresh run from trained weights: a "
         "run directory of ours, or a GPT-2 (gpt2, gpt2-medium, ...; needs transformers), with this "
         "--attn, --gamma, --dropout")
@@ -649,9 +650,9 @@ def nothing_left(args, state):
         return f"it is at --max_iters {args.max_iters} already; give more steps to train on"
     if (last.get("stopped_early") and args.stop_at_acc is not None
             and last["eval_acc"] >= args.stop_at_acc):
-        return (f"it stopped at step {state['step']} with accuracy {last['eval_acc']:.2%}, past "
-                f"--stop_at_acc {args.stop_at_acc:g}; add --stop_at_acc never (or a higher bar) "
-                f"to train on")
+        return (f"it stopped at step {state['step']} with accuracy {last['eval_acc']:.2%}, which "
+                f"reaches --stop_at_acc {args.stop_at_acc:g}; add --stop_at_acc never (or a higher "
+                f"bar) to train on")
     return None
 
 

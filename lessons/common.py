@@ -155,7 +155,7 @@ def train_many(argvs, jobs=1, resume_saved=REUSE):
                                         f"killed for lack of memory: run fewer at a time); what "
                                         f"the runs in progress printed is in "
                                         f"{', '.join(broken[:jobs])}")
-                except BaseException as error:  # SystemExit too: train.py's carries its message here
+                except BaseException as error:  # SystemExit too: its message comes with it
                     raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
                                      f"output is in {running[finished]}")
                 print(f"[{count}/{len(running)} runs, {jobs} at a time, "
