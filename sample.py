@@ -73,11 +73,12 @@ def main(argv=None):
         flag = ("--prompt" if args.prompt is not None else "--length" if args.length is not None
                 else "the run's test example")
         # A model that writes its answer stops at block_size, positions learned or not.
-        fix = ("a model trained with --pos none runs at any length" if not task.generates_answer
-               else "this model cannot continue any prompt: it reads one token at most"
-               if model.config.block_size < 2 else "shorten it" if args.prompt is not None
-               else "give a smaller --length" if args.length is not None
-               else "give a --prompt shorter than that")
+        if not task.generates_answer:
+            fix = "a model trained with --pos none runs at any length"
+        elif model.config.block_size < 2:
+            fix = "this model cannot continue any prompt: it reads one token at most"
+        else:  # a writing task takes no --length (Task.example refuses it)
+            fix = "shorten it" if args.prompt is not None else "give a --prompt shorter than that"
         if model.config.pos == "learned" and x.size(1) > model.config.block_size:
             raise ValueError(f"{flag}: {x.size(1)} tokens, and this model has learned positions "
                              f"up to {model.config.block_size}; {fix}")
