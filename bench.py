@@ -54,7 +54,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import train
 from attention import CHACAL_BLOCKED_FROM, CHACAL_ROWS_PER_BLOCK, chacal_attention
 from model import GPT, GPTConfig
-from train import DEVICE_HELP, DEVICES, OneLineErrors, pick_device, synchronize
+from train import DEVICE_HELP, DEVICES, OneLineErrors, pick_device, run_command, synchronize
 
 
 def in_turns(fns, device, repeats):
@@ -434,8 +434,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        raise SystemExit("interrupted; the figures printed so far stand, the rest were not "
-                         "measured") from None
+    run_command(main, "interrupted; the figures printed so far stand, the rest were not measured")

@@ -25,7 +25,7 @@ import torch
 
 from data import task_from_settings
 from train import (DEVICE_HELP, DEVICES, OneLineErrors, check_seed, load_model, pick_device,
-                   synchronize)
+                   run_command, synchronize)
 
 
 @torch.no_grad()
@@ -118,8 +118,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        raise SystemExit("interrupted; sample.py changes nothing of the run (a data cache it was "
-                         "rebuilding is written whole or not at all), so nothing is lost") from None
+    run_command(main, "interrupted; sample.py changes nothing of the run (a data cache it was "
+                      "rebuilding is written whole or not at all), so nothing is lost")

@@ -816,5 +816,20 @@ def main(argv=None):
     return summary
 
 
+def run_command(main, interrupted):
+    """main() as a command: a Ctrl-C that main lets through ends it with the one line
+    `interrupted`, and a reader that stops reading its output early (`python train.py | head`)
+    ends it quietly, as it ends Unix tools, rather than with a BrokenPipeError."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        raise SystemExit(interrupted) from None
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit; into /dev/null, that cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
-    main()
+    run_command(main, "interrupted; a checkpoint in out_dir is whole, as its last evaluation "
+                      "wrote it")

@@ -1301,3 +1301,26 @@ def test_sample_reads_a_bidirectional_model_in_one_pass(tmp_path, capsys):
     sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])
     out = capsys.readouterr().out
     assert "16 tokens read in one pass" in out and "tokens/s" not in out
+
+
+def test_a_reader_that_stops_early_ends_train_py_quietly(tmp_path):
+    # `python train.py | head -1`: the next line train.py prints finds no reader. It must end
+    # as Unix tools do, with no BrokenPipeError traceback, its checkpoint whole.
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *TINY,
+                                "--max_iters", "4", "--eval_interval", "2", "--out_dir",
+                                str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline().startswith("toy: ")
+    process.stdout.close()  # as head does after its line
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 1 and stderr == "", stderr
+    assert train.load_checkpoint(str(tmp_path))["step"] == 2  # written before the line that failed
+
+
+def test_run_command_turns_a_ctrl_c_into_its_one_line():
+    # sample.py and bench.py end a Ctrl-C with their own line through run_command.
+    def interrupted():
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit) as stop:
+        train.run_command(interrupted, "interrupted; nothing is lost")
+    assert stop.value.code == "interrupted; nothing is lost"
