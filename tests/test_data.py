@@ -9,7 +9,7 @@ import torch
 
 import data
 
-from data import EOS, decode, encode, get_task, parse_answer, render_answer
+from data import EOS, Cycles, decode, encode, get_task, parse_answer, render_answer
 from model import GPTConfig
 
 
@@ -46,10 +46,18 @@ def test_data_py_command_line(tmp_path):
                                        text=True, cwd=tmp_path)
     shown = run("lego", "--seed", "2")
     assert shown.returncode == 0 and shown.stdout.startswith("sentence: [CLS]")
-    assert run().stdout.startswith("block  0 values  : [9, 4]")  # no task: the docstrings'
+    docstrings = run().stdout.splitlines()  # no task: the docstrings' worked examples
+    assert docstrings[0] == "block  0 values  : [9, 4]"
+    rows = ("prompt", "none", "full", "inductive")  # Cycles' example: a prompt, then each format
+    shown = dict(line.split(None, 1) for line in Cycles.__doc__.splitlines()
+                 if line.startswith(tuple(f"        {row} " for row in rows)))
+    prompt = shown["prompt"]
+    assert docstrings[-3:] == [f"{prompt}  |  {shown['none']}", f"{prompt}  |  {shown['full']}",
+                               f"{prompt} :  |  {shown['inductive'].removeprefix(': ')}"]
     for wrong, named in ((["legos"], "invalid choice: 'legos'"),
                          (["toy", "--seed", "-1"], "--seed -1 must lie in"),
                          (["--seed", "3"], "--seed 3 picks an example of a TASK"),  # not ignored
+                         (["--seed", "0"], "--seed 0 picks an example of a TASK"),  # 0 too
                          (["toy", "extra"], "unrecognized arguments: extra")):
         refused = run(*wrong)
         assert refused.returncode == 2 and refused.stdout == "", wrong

@@ -506,6 +506,8 @@ def test_cycles_typed_prompts_are_read_or_refused():
     x, n_prompt = task.example(None, "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;")
     assert task.decode(x[0]) == "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ; :"
     assert n_prompt == x.size(1) == 21
+    typed_start = task.example(None, "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ; :")
+    assert torch.equal(typed_start[0], x) and typed_start[1] == 21  # the ":" as it was printed
     # Not cycles; an edge out of nowhere; a word that is no token; no ";" after the query (the
     # model's first token would be read as part of it); an edge without ">"; two edges out of v1.
     for bad in ("v1 > v2 ; v2 > v3 ; v3 > v2 ; v1 ? v5 ;", "v1 > v2 ; v1 ? v3 ;", "w1 ? v2 ;",
@@ -514,6 +516,14 @@ def test_cycles_typed_prompts_are_read_or_refused():
                 "v1 > v2 ; v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;"):
         with pytest.raises(ValueError, match="--prompt"):
             task.example(None, bad)
+
+
+def test_cycles_decode_leaves_the_padding_out():
+    task = get_task("cycles", scratchpad="inductive", cycle_distance=3)  # rows of two lengths
+    x, _ = task.sample(8, torch.Generator().manual_seed(0))
+    assert (x == CYCLE_PAD).any()
+    for row in x:
+        assert task.decode(row) == " ".join(task.vocab[int(i)] for i in row[row != CYCLE_PAD])
 
 
 def test_cycles_flags_have_help():

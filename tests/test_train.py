@@ -17,7 +17,7 @@ import torch
 
 import sample
 import train
-from data import PointerChains
+from data import PointerChains, get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
@@ -500,6 +500,8 @@ def test_a_stopped_run_goes_on_to_max_iters_when_resumed_with_stop_at_acc_never(
     assert train.main(flags + ["--resume"])["final"]["step"] == 2  # the saved bar still holds
     assert ("nothing left to train in " + str(tmp_path) + ": it stopped at step 2 with accuracy"
             in capsys.readouterr().out)  # and says so, with the flag that would go on
+    unset = train.main(flags + ["--resume", "--stop_at_acc", "never", "--max_iters", "2"])
+    assert unset["final"]["step"] == 2 and "2 steps (stopped) in" in unset["line"]  # no bar left
     resumed = train.main(flags + ["--resume", "--stop_at_acc", "never", "--max_iters", "6"])
     assert [m["step"] for m in resumed["metrics"]] == [2, 4, 6]
     assert "6 steps in" in resumed["line"] and "(stopped" not in resumed["line"]
@@ -621,6 +623,32 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch(flags, tmp_path, mon
     assert widths == sorted(widths)
     if model.can_cache() and (y[:, -1] == -1).any():  # rows that end early: their part is cut
         assert widths[0] < x.size(1)
+
+
+def test_split_batch_skips_parts_with_nothing_scored_and_keeps_an_unscored_batch_whole():
+    # A part with no scored token has the mean loss 0 / 0 = nan, and nan * 0 is still nan: it
+    # must be left out, not weighted by its zero share. A batch with nothing scored at all is one
+    # part, as without --micro_batches.
+    x, y = get_task("toy").sample(6, torch.Generator().manual_seed(1))
+    y[:2] = -1
+    parts = list(train.split_batch(x, y, {}, 3, cut=True))
+    assert [len(part[0]) for part in parts] == [2, 2] and [part[3] for part in parts] == [0.5, 0.5]
+    y[:] = -1
+    (part,) = train.split_batch(x, y, {}, 3, cut=True)
+    assert part[0] is x and part[3] == 1.0
+
+
+def test_micro_batches_of_a_bidirectional_model_are_not_cut(tmp_path, monkeypatch):
+    # Every token of a bidirectional model reads the columns after its last scored one, so
+    # train_loop must ask split_batch for whole rows (the gradient test above shows why).
+    asked, split_batch = [], train.split_batch
+    monkeypatch.setattr(train, "split_batch",
+                        lambda *a, cut: asked.append(cut) or split_batch(*a, cut=cut))
+    train.main(["--task", "lego", "--bidirectional", "--attn", "standard", "--n_embd", "16",
+                "--n_head", "2", "--batch_size", "6", "--max_iters", "2", "--eval_interval", "2",
+                "--eval_samples", "8", "--micro_batches", "3", "--no-progress", "--device", "cpu",
+                "--out_dir", str(tmp_path)])
+    assert asked == [False, False]
 
 
 def test_a_run_in_micro_batches_trains_as_the_whole_batches_do(tmp_path):
