@@ -71,6 +71,21 @@ def test_chacal_under_group_masks_equals_explicit_masked_inverse(blocked_from, m
     torch.testing.assert_close(y, expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("layer", [attention.StandardAttention, attention.ChaCALAttention])
+def test_cached_decoding_under_group_masks_equals_the_full_pass(layer):
+    # A prompt, a block of two, then one token at a time, each against the keys (and their
+    # groups) of the cache: the full pass's outputs, in float64.
+    torch.manual_seed(0)
+    attn = layer(GPTConfig(n_embd=16, n_head=2)).double().eval()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    groups = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 3], [0, 0, 1, 1, 1, 2, 2, 3, 3]])
+    cache, ends = attention.LayerCache(), [0, 4, 6, 7, 8, 9]
+    cached = [attn(x[:, start:end], cache=cache, groups=groups[:, start:end])
+              for start, end in zip(ends, ends[1:])]
+    full = attn(x, groups=groups)
+    torch.testing.assert_close(torch.cat(cached, dim=1), full, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("gamma", [0.5, 0.9, 0.99])
 def test_chacal_rows_sum_between_one_minus_gamma_and_one(gamma):
     """(1-γ)(I - γA')⁻¹·1: token 0 has no chain behind it and keeps 1-γ; a row's sum grows with the

@@ -1,6 +1,7 @@
 """LEGO: the task's labels against a resolver written apart, and LEGO attention against its
 definitions (maps built by explicit loops, causality, a GPT that trains with it)."""
 
+import copy
 import itertools
 import math
 
@@ -518,6 +519,23 @@ def test_mimicking_lowers_the_mimicking_loss(causal):
     assert len(losses) == 40
     assert loss() < 0.5 * before
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_mimicking_steps_are_adamw_without_weight_decay():
+    # Weight decay would shrink the embeddings and gains too: mimic's steps are AdamW's at 0.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=10, n_layer=2, n_head=2, n_embd=16,
+                          attn="standard"))
+    by_hand = copy.deepcopy(model)
+    x = torch.randint(0, 10, (4, 12), generator=torch.Generator().manual_seed(1))
+    mimic(model, [x, x], lr=1e-2, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(by_hand.parameters(), 1e-2, (0.9, 0.95), weight_decay=0)
+    for batch in [x, x]:
+        mimicking_loss(by_hand.attention_maps(batch), batch, True).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for (name, mimicked), stepped in zip(model.named_parameters(), by_hand.parameters()):
+        torch.testing.assert_close(mimicked, stepped, rtol=0, atol=1e-7, msg=name)
 
 
 def test_mimicking_loss_is_the_reverse_kl_to_each_heads_target():

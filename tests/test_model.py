@@ -286,6 +286,10 @@ def test_sequences_longer_than_block_size_are_refused():
     with pytest.raises(ValueError, match="position 40 .* is beyond block_size 40"):
         model(tokens, positions=positions, groups=torch.zeros_like(positions))
     model(tokens, positions=positions.clamp(max=39), groups=torch.zeros_like(positions))  # fits
+    caches = model.new_caches()  # cached: the tokens in the cache count too
+    model(torch.zeros(1, 30, dtype=torch.long), caches=caches)
+    with pytest.raises(ValueError, match="sequence of 41 tokens is longer than block_size 40"):
+        model(torch.zeros(1, 11, dtype=torch.long), caches=caches)
     with pytest.raises(ValueError, match="block_size"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 12)
     # The last token written is never read: 30 + 11 tokens fit a block of 40.
@@ -349,6 +353,9 @@ def test_bidirectional_and_adaptive_models_refuse_to_decode_with_a_cache():
     with pytest.raises(ValueError, match="use_cache=False"):
         adaptive.generate(prompt, 2)
     assert adaptive.generate(prompt, 2, temperature=0, use_cache=False).shape == (1, 6)
+    mixed = small_model("standard,lego_v0")  # one layer without a cache is enough
+    assert not mixed.can_cache()
+    assert mixed.generate(prompt, 2, temperature=0, use_cache=False).shape == (1, 6)
 
 
 @pytest.mark.parametrize("lengths", [[3, 5], [0, 2], [2], [[2, 2]]])
@@ -423,7 +430,9 @@ def test_weight_init_gpt2_ties_the_embeddings_and_xavier_follows_pytorchs_defaul
     fc = xavier.transformer.h[0].mlp.c_fc.weight  # Xavier-uniform: U(±√(6 / (fan_in + fan_out)))
     bound = (6 / sum(fc.shape)) ** 0.5
     assert fc.abs().max().item() <= bound and fc.std().item() == pytest.approx(bound / 3 ** 0.5, rel=0.1)
-    assert xavier.lm_head.weight.abs().max().item() <= 1 / 64 ** 0.5  # nn.Linear's own
+    head = xavier.lm_head.weight  # nn.Linear's own: U(±1/√fan_in), not N(0, 0.02)
+    assert head.abs().max().item() <= 1 / 64 ** 0.5
+    assert head.std().item() == pytest.approx(1 / 64 ** 0.5 / 3 ** 0.5, rel=0.1)
     assert xavier.num_params() == gpt2.num_params() + 50 * 64  # the head is a matrix of its own
     with pytest.raises(ValueError, match="--weight_init"):
         GPTConfig(**config, weight_init="normal")
