@@ -184,8 +184,8 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
     out = ["--out_dir", str(tmp_path / "run")]
     fresh = TINY + ["--max_iters", "2", "--eval_interval", "2"] + out
     assert common.reuse_if_saved(fresh) == fresh  # nothing saved yet: a fresh run, no --resume
-    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2"] + out)
-    assert common.reuse_if_saved(TINY + ["--max_iters", "2", "--eval_interval", "2"] + out)[-1] == "--resume"
+    train.main(fresh)
+    assert common.reuse_if_saved(fresh)[-1] == "--resume"
     with pytest.raises(SystemExit, match=r"--n_embd 32 \(now 64\).*delete that directory"):
         common.reuse_if_saved([*TINY, "--max_iters", "2", "--eval_interval", "2", *out, "--n_embd", "64"])
     with pytest.raises(SystemExit, match=r"--max_iters 2 \(now 1000\)"):  # a flag no longer typed
