@@ -550,3 +550,14 @@ def test_bad_sizes_fail_at_the_start_of_train_py_in_one_line():
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "--n_filled 4" in result.stderr
+
+
+def test_exact_match_is_word_for_word_case_included():
+    task = get_task("boxes", boxes_version="default", n_train=20, n_test=5, data_seed=1, cache_dir=None)
+    prompt, answer = task.prompt_and_answer(0)
+    assert task.score_answer(prompt, answer)[0]
+    assert not task.score_answer(prompt, answer.lower())[0]
+
+
+def test_encode_lowers_a_capital_after_a_special_as_at_the_start():
+    assert encode("<bos> The key is in Box A. <sep>") == [BOS] + encode("The key is in Box A.") + [SEP]

@@ -300,3 +300,10 @@ def test_a_batch_of_one_is_a_member_or_not_by_a_coin_flip(name):
     task = get_task(name)
     labels = [task.vocab[int(task.sample(1, seeded(s), length=8)[1][0, -1])] for s in range(40)]
     assert 10 <= labels.count("yes") <= 30 and labels.count("yes") + labels.count("no") == 40
+
+
+def test_balanced_batches_are_shuffled():
+    # Members first, then the rest, would let a label be read from a row's place in the batch.
+    _, y = get_task("d2").sample(64, torch.Generator().manual_seed(0), length=10)
+    labels = y[:, -1]
+    assert 0 < labels.sum() and not torch.equal(labels, labels.sort(descending=True).values)

@@ -323,3 +323,11 @@ def test_init_from_a_gpt2_that_cannot_be_loaded_says_why_in_one_line(tmp_path, c
     error = capsys.readouterr().err.strip().splitlines()
     assert error == ["train.py: error: --init_from gpt2: not a run directory, nor a GPT-2 that "
                      "transformers can load (We couldn't connect to load gpt2.)"], error
+
+
+def test_a_validation_part_of_exactly_context_tokens_is_refused_by_name(tmp_path):
+    # A window needs context + 1 tokens (inputs and the next token); 10 validation bytes hold none.
+    path = tmp_path / "ten.txt"
+    path.write_bytes(b"a" * 100)  # its last tenth: 10 bytes
+    with pytest.raises(ValueError, match="--context"):
+        get_task("text", data=str(path), context=10)
