@@ -209,6 +209,12 @@ def test_generator_is_deterministic_given_its_rng():
     assert a == generate_example(random.Random(7)) != generate_example(random.Random(8))
 
 
+def test_a_split_the_draw_cannot_meet_is_refused_not_redrawn_forever():
+    # e.g. a generator that ignored --n_filled while the split followed it
+    with pytest.raises(RuntimeError, match="the split and the draw disagree"):
+        generate_example(random.Random(0), "advanced", {(1, 1, 0)}, n_boxes=3, n_filled=1, n_objects=4)
+
+
 @pytest.mark.parametrize("version", ["default", "advanced"])
 def test_train_and_test_never_share_an_initial_signature(version):
     seen, letters = {}, "ABCDEFGH" if version == "advanced" else "ABCDEFG"

@@ -21,6 +21,13 @@ def test_toy_labels_equal_the_brute_force_solver(options):
     assert torch.equal(y, task.solve(x))
 
 
+def test_toy_solver_refuses_a_pointer_that_does_not_point_back():
+    # A sampler bug that points into its own block would make a chain loop forever.
+    task = get_task("toy", n_blocks=3, block_len=2, vocab_size=10)
+    with pytest.raises(ValueError, match="position 3 points at 3"):
+        task.solve(torch.tensor([[9, 4, 1, 3, 2, 0]]))
+
+
 def test_toy_worked_example_from_the_docstring():
     task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
     x = torch.tensor([[9, 4, 1, 0, 3, 2, 4, 5]])
