@@ -1,6 +1,43 @@
+import contextlib
 import os
+import signal
 import sys
+import time
+
+import pytest
 
 # Tests import the top-level scripts (model.py, attention.py, ...) the way lessons do.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# The slowest test (a lesson at the smoke scale) takes about 20 s on a 2-core CPU. A test that
+# runs far past that is stuck in a loop: it fails, named, instead of holding the suite forever.
+TEST_TIME_LIMIT = 180  # seconds
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    """Raise TimeoutError in the main thread once `seconds` have passed (no limit on Windows,
+    which has no SIGALRM). An enclosing limit resumes, less the time spent, on the way out."""
+    if not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def hung(signum, frame):
+        raise TimeoutError(f"ran past {seconds} s (tests/conftest.py): a loop that never ends?")
+
+    handler = signal.signal(signal.SIGALRM, hung)
+    started, enclosing = time.monotonic(), signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, handler)
+        if enclosing:
+            signal.alarm(max(1, enclosing - round(time.monotonic() - started)))
+
+
+@pytest.fixture(autouse=True)
+def fail_a_test_that_hangs():
+    with time_limit(TEST_TIME_LIMIT):
+        yield

@@ -3,12 +3,14 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import data
 
+from conftest import time_limit
 from data import EOS, Cycles, decode, encode, get_task, parse_answer, render_answer
 from model import GPTConfig
 
@@ -26,6 +28,15 @@ def test_toy_solver_refuses_a_pointer_that_does_not_point_back():
     task = get_task("toy", n_blocks=3, block_len=2, vocab_size=10)
     with pytest.raises(ValueError, match="position 3 points at 3"):
         task.solve(torch.tensor([[9, 4, 1, 3, 2, 0]]))
+
+
+def test_a_test_stuck_in_a_loop_fails_in_its_time_limit():
+    # conftest.py holds every test to such a limit, so a mutant that loops fails, named.
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="ran past 1 s"), time_limit(1):
+        while True:
+            pass
+    assert time.monotonic() - started < 5
 
 
 def test_toy_worked_example_from_the_docstring():
