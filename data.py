@@ -2106,7 +2106,8 @@ def example_with_answer(name, seed=0):
     return task.describe(x[0]) if task.generates_answer else task.describe(x[0], task.solve(x)[0])
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    """`python data.py [TASK] [--seed N]`: print an example, as the parser's description says."""
     from train import OneLineErrors, check_seed  # not at the top: train.py imports this module
     parser = OneLineErrors(prog="data.py", description="Print a test example of a task with its "
                            "answer; with no task, the worked examples of the toy and cycles "
@@ -2114,7 +2115,7 @@ if __name__ == "__main__":
     parser.add_argument("task", nargs="?", choices=TASKS, metavar="TASK",
                         help=f"one of {', '.join(TASKS)}, at its default sizes")
     parser.add_argument("--seed", type=int, help="which example of TASK (default: 0)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         if args.seed is not None and args.task is None:  # the worked examples have their seeds
             raise ValueError(f"--seed {args.seed} picks an example of a TASK; name one, e.g. "
@@ -2132,3 +2133,7 @@ if __name__ == "__main__":
             task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
             prompt = task.prompts(task.sample(1, torch.Generator().manual_seed(1))[0])[0]
             print(f"{task.decode(prompt)}  |  {task.decode(task.completion(prompt))}")
+
+
+if __name__ == "__main__":
+    main()
