@@ -1,8 +1,11 @@
 import contextlib
+import io
 import os
 import signal
+import subprocess
 import sys
 import time
+import traceback
 
 import pytest
 
@@ -13,6 +16,24 @@ sys.path.insert(0, ROOT)
 # The slowest test (a lesson at the smoke scale) takes about 20 s on a 2-core CPU. A test that
 # runs far past that is stuck in a loop: it fails, named, instead of holding the suite forever.
 TEST_TIME_LIMIT = 180  # seconds
+
+
+def run_in_process(main, script, *args):
+    """main(args) of a script in this process, as subprocess.run would report `python script
+    *args` (exit code, printed text), without the second or so a new Python spends importing
+    torch. A test of each script still runs it once as a command."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as stop:  # argparse's error (2) or a message (1), as Python exits
+            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+            if isinstance(stop.code, str):
+                print(stop.code, file=sys.stderr)
+        except Exception:  # what the command would end in: a traceback and exit code 1
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 @contextlib.contextmanager

@@ -1,7 +1,5 @@
 """Tasks: labels against a brute-force solver, and the structure each task promises."""
 
-import contextlib
-import io
 import os
 import subprocess
 import sys
@@ -12,7 +10,7 @@ import torch
 
 import data
 
-from conftest import time_limit
+from conftest import run_in_process, time_limit
 from data import EOS, Cycles, decode, encode, get_task, parse_answer, render_answer
 from model import GPTConfig
 
@@ -60,25 +58,13 @@ def test_data_py_shows_an_example_of_any_task_with_the_solvers_answer(name, tmp_
         assert "truth" in shown and "model" not in shown
 
 
-def run_data_py(*args):
-    """data.py's main(args) in this process: (exit code, stdout, stderr) as the command would end,
-    without the second or so a new Python spends importing torch for each call."""
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            data.main(list(args))
-        except SystemExit as stop:  # argparse's error: exit code 2
-            code = stop.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_data_py_command_line(tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data.py")
     shown = subprocess.run([sys.executable, script, "lego", "--seed", "2"], capture_output=True,
                            text=True, cwd=tmp_path)  # once as the command it is
     assert shown.returncode == 0 and shown.stdout.startswith("sentence: [CLS]"), shown.stderr
-    assert run_data_py("lego", "--seed", "2")[1] == shown.stdout  # the same, in this process
-    docstrings = run_data_py()[1].splitlines()  # no task: the docstrings' worked examples
+    assert run_in_process(data.main, "data.py", "lego", "--seed", "2").stdout == shown.stdout
+    docstrings = run_in_process(data.main, "data.py").stdout.splitlines()  # no task: the docstrings' worked examples
     assert docstrings[0] == "block  0 values  : [9, 4]"
     rows = ("prompt", "none", "full", "inductive")  # Cycles' example: a prompt, then each format
     shown = dict(line.split(None, 1) for line in Cycles.__doc__.splitlines()
@@ -91,10 +77,10 @@ def test_data_py_command_line(tmp_path):
                          (["--seed", "3"], "--seed 3 picks an example of a TASK"),  # not ignored
                          (["--seed", "0"], "--seed 0 picks an example of a TASK"),  # 0 too
                          (["toy", "extra"], "unrecognized arguments: extra")):
-        code, out, err = run_data_py(*wrong)
-        assert code == 2 and out == "", wrong
-        assert err.startswith("data.py: error: ") and named in err, wrong
-        assert len(err.splitlines()) == 1, err  # no usage line above it
+        refused = run_in_process(data.main, "data.py", *wrong)
+        assert refused.returncode == 2 and refused.stdout == "", wrong
+        assert refused.stderr.startswith("data.py: error: ") and named in refused.stderr, wrong
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr  # no usage line above it
 
 
 def test_toy_blocks_permute_the_previous_block_positions():

@@ -1,8 +1,6 @@
 """train.py and sample.py as a user runs them: a CPU smoke run, exact resume, and bad input."""
 
 import argparse
-import contextlib
-import io
 import json
 import math
 import os
@@ -10,13 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
 import torch
 
 import sample
 import train
+from conftest import run_in_process
 from data import PointerChains, get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,21 +28,8 @@ def run_script(script, *args, cwd=ROOT):
 
 
 def run_sample(*args):
-    """sample.py's main(args) in this process, as run_script("sample.py", *args) would report it
-    (exit code, printed text), without the second or so a new Python spends importing torch.
-    run_script keeps one test of the script as a command."""
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            sample.main(list(args))
-        except SystemExit as stop:  # argparse's error (2) or a message (1), as Python exits
-            code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-            if isinstance(stop.code, str):
-                print(stop.code, file=sys.stderr)
-        except Exception:  # what the command would end in: a traceback and exit code 1
-            traceback.print_exc()
-            code = 1
-    return subprocess.CompletedProcess(["sample.py", *args], code, out.getvalue(), err.getvalue())
+    """sample.py's main(args) in this process, as run_script("sample.py", *args) would report it."""
+    return run_in_process(sample.main, "sample.py", *args)
 
 
 def interrupt_the_second_evaluation(monkeypatch):
