@@ -3,7 +3,6 @@
 import collections
 import functools
 import itertools
-import os
 import random
 import re
 import subprocess
@@ -13,10 +12,10 @@ import pytest
 import torch
 
 import data
+from conftest import ROOT
 from data import (BOS, EOS, OBJECTS, PAD, SEP, TOKEN_IDS, VOCAB, box_sizes, decode, encode, generate_example,
                   get_task, parse_answer, render_answer, signature_split, simulate)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The ChaCAL paper's appendix, Table 5 (default version) and Table 6 (advanced version).
 TABLE_5_PROMPT = (

@@ -12,6 +12,7 @@ import torch
 import attention
 import train
 from attention import chacal_attention
+from conftest import ROOT
 from model import generate_inductive
 from test_attention import explicit_chacal, random_qkv
 from test_model import (ATTENTION_STACKS, BF16_ATTENTIONS, bf16_step_and_decoding,
@@ -20,7 +21,6 @@ from test_scratchpad import ATTENTIONS as GROUP_ATTENTIONS, SEP, START, sep_frie
 from test_scratchpad import small_model as small_group_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -10,7 +10,7 @@ import torch
 
 import data
 
-from conftest import run_in_process, time_limit
+from conftest import ROOT, run_in_process, time_limit
 from data import EOS, Cycles, decode, encode, get_task, parse_answer, render_answer
 from model import GPTConfig
 
@@ -59,7 +59,7 @@ def test_data_py_shows_an_example_of_any_task_with_the_solvers_answer(name, tmp_
 
 
 def test_data_py_command_line(tmp_path):
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data.py")
+    script = os.path.join(ROOT, "data.py")
     shown = subprocess.run([sys.executable, script, "lego", "--seed", "2"], capture_output=True,
                            text=True, cwd=tmp_path)  # once as the command it is
     assert shown.returncode == 0 and shown.stdout.startswith("sentence: [CLS]"), shown.stderr

@@ -20,8 +20,9 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 import train
+from conftest import ROOT
 
-LESSONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons")
+LESSONS = os.path.join(ROOT, "lessons")
 sys.path.insert(0, LESSONS)
 import common  # noqa: E402
 

@@ -12,8 +12,7 @@ import pytest
 
 import data
 import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def readme_commands(script):

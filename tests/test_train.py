@@ -14,10 +14,9 @@ import torch
 
 import sample
 import train
-from conftest import run_in_process
+from conftest import ROOT, run_in_process
 from data import PointerChains, get_task
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
         "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
 
