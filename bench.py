@@ -42,11 +42,14 @@ GPU keeps the one solve); the automatic path at most 1.1x the one solve at every
 """
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: stop, no traceback
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode

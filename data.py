@@ -30,7 +30,10 @@ import os
 import pathlib
 import random
 import re
+import signal
 
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: stop, no traceback
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -2136,4 +2139,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from train import run_command
+    run_command(main, "interrupted; a data cache it was building is written whole or not at all")

@@ -19,8 +19,11 @@ fewer layers.
 
 import argparse
 import os
+import signal
 import time
 
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: stop, no traceback
 import torch
 
 from data import task_from_settings

@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import asdict, fields
 
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: stop, no traceback
 import torch
 from tqdm import tqdm
 
@@ -819,7 +821,11 @@ def main(argv=None):
 def run_command(main, interrupted):
     """main() as a command: a Ctrl-C that main lets through ends it with the one line
     `interrupted`, and a reader that stops reading its output early (`python train.py | head`)
-    ends it quietly, as it ends Unix tools, rather than with a BrokenPipeError."""
+    ends it quietly, as it ends Unix tools, rather than with a BrokenPipeError. Each script lets
+    a Ctrl-C simply stop it while its imports load (a traceback through torch's imports helps no
+    one); from here on, a Ctrl-C is Python's KeyboardInterrupt again."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main()
     except KeyboardInterrupt:

@@ -1337,3 +1337,32 @@ def test_run_command_turns_a_ctrl_c_into_its_one_line():
     with pytest.raises(SystemExit) as stop:
         train.run_command(interrupted, "interrupted; nothing is lost")
     assert stop.value.code == "interrupted; nothing is lost"
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "bench.py", "data.py"])
+def test_a_ctrl_c_while_torch_loads_stops_a_script_without_a_traceback(script, tmp_path):
+    # A stand-in torch that gets a Ctrl-C as it loads: the script stops at once and says nothing,
+    # killed by SIGINT as a Unix tool is. Started with Ctrl-C ignored (as a shell script starts its
+    # background jobs), it goes on ignoring it, until the stand-in ends it with its own line.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nraise SystemExit('torch loaded')\n")
+    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    command = dict(args=[sys.executable, os.path.join(ROOT, script)], cwd=tmp_path, capture_output=True,
+                   text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
+    stopped = subprocess.run(**command)
+    assert stopped.returncode == -signal.SIGINT and stopped.stderr == "", stopped.stderr
+    ignored = subprocess.run(**command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert ignored.returncode == 1 and ignored.stderr == "torch loaded\n", ignored.stderr
+
+
+def test_a_ctrl_c_once_training_runs_ends_train_py_with_its_one_line(tmp_path):
+    # Past the imports, run_command gives a Ctrl-C back to Python: one line, not a silent kill.
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *TINY,
+                                "--max_iters", "100000", "--out_dir", str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline().startswith("toy: ")
+    process.send_signal(signal.SIGINT)
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 1 and stderr.startswith("interrupted") \
+        and len(stderr.splitlines()) == 1, stderr
