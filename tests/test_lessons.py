@@ -58,8 +58,8 @@ class PlanRefused(Exception):
     pass
 def check_plan(argvs, jobs=1, resume_saved=False):
     for k, argv in enumerate(argvs):
-        argv = list(argv)
-        argv[argv.index("--out_dir") + 1] = {scratch!r} + f"/{{k}}"
+        # Last, so it wins over every --out_dir the lesson gave (lesson 01 gives two)
+        argv = list(argv) + ["--out_dir", {scratch!r} + f"/{{k}}"]
         said = io.StringIO()
         try:
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):

@@ -501,8 +501,8 @@ def test_a_finished_run_resumed_says_it_has_nothing_left_to_train(tmp_path, caps
             f"steps to train on") in capsys.readouterr().out
 
 
-def test_a_run_shorter_than_its_warmup_says_it_never_reaches_lr(capsys):
-    warm = TINY + ["--max_iters", "4", "--eval_interval", "4", "--lr", "1e-3"]
+def test_a_run_shorter_than_its_warmup_says_it_never_reaches_lr(tmp_path, capsys):
+    warm = TINY + ["--max_iters", "4", "--eval_interval", "4", "--lr", "1e-3", "--out_dir", str(tmp_path)]
     train.main(warm + ["--warmup_iters", "8"])
     assert ("note: --max_iters 4 ends inside --warmup_iters 8: the learning rate climbs to "
             "0.0005, never --lr 0.001, and never decays" in capsys.readouterr().out)
