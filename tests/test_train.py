@@ -1339,6 +1339,7 @@ def test_run_command_turns_a_ctrl_c_into_its_one_line():
     assert stop.value.code == "interrupted; nothing is lost"
 
 
+@pytest.mark.skipif(os.name != "posix", reason="a process killed by a signal, as POSIX has it")
 @pytest.mark.parametrize("script", ["train.py", "sample.py", "bench.py", "data.py"])
 def test_a_ctrl_c_while_torch_loads_stops_a_script_without_a_traceback(script, tmp_path):
     # A stand-in torch that gets a Ctrl-C as it loads: the script stops at once and says nothing,
