@@ -47,6 +47,9 @@ def test_lesson_executes_at_smoke_scale(path, monkeypatch):
 # (on the CPU, into a scratch folder), and the lesson stops there, having trained nothing.
 CHECK_THE_PLAN = """
 import contextlib, functools, io, common, data, train
+# Every folder the lesson names goes under the scratch folder too (lesson 04 builds its tasks
+# through train.parse_args, which makes the run folder), never into the checkout's out/gpu.
+common.OUT = {scratch!r} + "/out"
 # A few boxes examples are enough to check flags (the gpu scale's full sets take a minute to
 # draw), and they are never cached: under the full sets' names they would stand in for them.
 boxes_generate = data.Boxes._generate
