@@ -361,7 +361,7 @@ def check_memory(args, task, config):
                else "lower --n_embd or --n_layer")
     if model_bytes > memory / 2:  # the rest is for activations, Python and PyTorch
         task_sizes = ("" if args.init_from or args.block_size else f", or the task's sizes (its "
-                      f"{config.block_size}-token sequences, {config.vocab_size} tokens)")
+                      f"{config.block_size:,}-token sequences, its vocabulary of {config.vocab_size:,})")
         raise ValueError(f"this model needs about {model_bytes / 2**30:.1f} GiB to train "
                          f"(weights, gradients and Adam's moments), more than half of {where} "
                          f"({memory / 2**30:.0f} GiB): {smaller}{task_sizes}")

@@ -925,7 +925,8 @@ def test_resume_refuses_fewer_steps_than_the_run_has_taken(tmp_path, capsys):
 
 def test_too_big_a_model_names_the_sizes_behind_it(capsys):
     error = one_error_line(capsys, TINY + ["--n_embd", "65536", "--n_head", "1", "--n_layer", "64"])
-    assert "GiB to train" in error and "lower --n_embd or --n_layer, or the task's sizes" in error
+    assert "GiB to train" in error and error.endswith("lower --n_embd or --n_layer, or the task's "
+                                                      "sizes (its 16-token sequences, its vocabulary of 16)")
 
 
 def test_init_from_a_shared_model_of_fixed_depth_for_a_task_that_writes(tmp_path):
