@@ -1,4 +1,5 @@
 import contextlib
+import inspect
 import io
 import os
 import signal
@@ -34,6 +35,13 @@ def run_in_process(main, script, *args):
             traceback.print_exc()
             code = 1
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
+
+
+def docstring_lines(obj):
+    """obj's docstring, line by line, with its common indentation stripped: Python 3.13 strips it
+    when it compiles a docstring and older versions keep it, so a test that reads a worked example
+    out of a docstring reads the same lines on every version."""
+    return inspect.cleandoc(obj.__doc__).splitlines()
 
 
 @contextlib.contextmanager

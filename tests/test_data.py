@@ -10,7 +10,7 @@ import torch
 
 import data
 
-from conftest import ROOT, run_in_process, time_limit
+from conftest import ROOT, docstring_lines, run_in_process, time_limit
 from data import EOS, Cycles, decode, encode, get_task, parse_answer, render_answer
 from model import GPTConfig
 
@@ -67,8 +67,8 @@ def test_data_py_command_line(tmp_path):
     docstrings = run_in_process(data.main, "data.py").stdout.splitlines()  # no task: the docstrings' worked examples
     assert docstrings[0] == "block  0 values  : [9, 4]"
     rows = ("prompt", "none", "full", "inductive")  # Cycles' example: a prompt, then each format
-    shown = dict(line.split(None, 1) for line in Cycles.__doc__.splitlines()
-                 if line.startswith(tuple(f"        {row} " for row in rows)))
+    shown = dict(line.split(None, 1) for line in docstring_lines(Cycles)
+                 if line.startswith(tuple(f"    {row} " for row in rows)))
     prompt = shown["prompt"]
     assert docstrings[-3:] == [f"{prompt}  |  {shown['none']}", f"{prompt}  |  {shown['full']}",
                                f"{prompt} :  |  {shown['inductive'].removeprefix(': ')}"]

@@ -10,6 +10,7 @@ import torch
 
 import bench
 from attention import ATTENTIONS, mimic, mimicking_loss, mimicking_targets
+from conftest import docstring_lines
 from data import LEGO, get_task
 from model import GPT, GPTConfig
 
@@ -108,8 +109,8 @@ def test_chain_depth_gives_the_chain_position_at_left_hand_tokens(group):
 
 def test_the_docstring_example():
     # The grid in LEGO's docstring, read back: its token, y and chain rows.
-    rows = {line.split()[0]: line.split()[1:] for line in LEGO.__doc__.splitlines()
-            if line.startswith(" " * 8) and line.split()[0] in ("token", "y", "chain")}
+    rows = {line.split()[0]: line.split()[1:] for line in docstring_lines(LEGO)
+            if line.startswith(" " * 4) and line.split()[0] in ("token", "y", "chain")}
     sentence = " ".join(rows["token"])
     assert sentence == "[CLS] a = - c , b = + 1 , c = - b , [SEP]"
     task = get_task("lego", n_vars=3)
