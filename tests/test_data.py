@@ -140,6 +140,15 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
             task.example(None, prompt=prompt, length=30)
 
 
+@pytest.mark.parametrize("name, typed, flag", [("lego", dict(prompt="a = + 1 ,"), "--prompt"),
+                                               ("lego", dict(length=30), "--length"),
+                                               ("parity", dict(length=0), "--length")])
+def test_example_refuses_what_its_task_cannot_read_naming_the_flag(name, typed, flag):
+    # sample.py hands --prompt and --length to Task.example, and prints its ValueError as one line.
+    with pytest.raises(ValueError, match=f"^{flag}"):
+        get_task(name).example(torch.Generator().manual_seed(0), **typed)
+
+
 class Oracle(torch.nn.Module):
     """Stands in for a model: logits that put all mass on the target, except where told."""
 

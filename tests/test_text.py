@@ -192,6 +192,12 @@ def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_
         assert "--pos none" not in err  # a model that writes stops at block_size even so
 
 
+def test_an_empty_prompt_is_refused_naming_the_flag(corpus):
+    task = get_task("text", data=str(corpus), context=16)
+    with pytest.raises(ValueError, match="^--prompt is empty"):
+        task.example(None, prompt="")
+
+
 def test_sample_says_a_one_token_context_cannot_continue_any_prompt(corpus, tmp_path, capsys):
     train.main(TINY + ["--data", str(corpus), "--context", "1", "--max_iters", "1",
                        "--eval_interval", "1", "--out_dir", str(tmp_path)])
