@@ -30,14 +30,23 @@ TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32"
         "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
 
 
+def execute(path, scale, monkeypatch, first_cell=None):
+    """The lesson at `path` run top to bottom at NANOCHACAL_SCALE=scale, `first_cell` (code) run
+    before its own cells; returns the executed notebook."""
+    monkeypatch.setenv("NANOCHACAL_SCALE", scale)  # the kernel inherits this environment
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(path, as_version=4)
+    if first_cell is not None:
+        notebook.cells.insert(0, nbformat.v4.new_code_cell(first_cell))
+    NotebookClient(notebook, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": LESSONS}}).execute()
+    return notebook
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(LESSONS, "*.ipynb"))),
                          ids=os.path.basename)
 def test_lesson_executes_at_smoke_scale(path, monkeypatch):
-    monkeypatch.setenv("NANOCHACAL_SCALE", "smoke")  # the kernel inherits this environment
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": LESSONS}}).execute()
+    notebook = execute(path, "smoke", monkeypatch)
     errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
               if output.get("output_type") == "error"]
     assert not errors
@@ -77,14 +86,16 @@ common.train_many = check_plan
 def test_lesson_plans_valid_runs_at_gpu_scale(path, tmp_path, monkeypatch):
     # The paper's sizes are never trained here; the flags of the first runs each lesson plans
     # at that scale must at least pass train.py's checks, as a reader with a GPU would run them.
-    monkeypatch.setenv("NANOCHACAL_SCALE", "gpu")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    notebook = nbformat.read(path, as_version=4)
-    notebook.cells.insert(0, nbformat.v4.new_code_cell(CHECK_THE_PLAN.format(scratch=str(tmp_path))))
+    stopped_at_the_plan_check(path, CHECK_THE_PLAN.format(scratch=str(tmp_path)), monkeypatch)
+
+
+def stopped_at_the_plan_check(path, first_cell, monkeypatch):
+    """The lesson run at the gpu scale after first_cell, which must stop it with PlanChecked
+    (its plan passed train.py's checks); returns PlanChecked's message."""
     with pytest.raises(CellExecutionError) as stopped:
-        NotebookClient(notebook, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": LESSONS}}).execute()
+        execute(path, "gpu", monkeypatch, first_cell)
     assert stopped.value.ename == "PlanChecked", f"{stopped.value.ename}: {stopped.value.evalue}"
+    return str(stopped.value.evalue)
 
 
 # Lesson 06 then fine-tunes with --init_from the checkpoint of its first plan's standard run,
@@ -108,15 +119,9 @@ common.train_many = one_step_then_check
 
 
 def test_lesson_06_fine_tunes_at_gpu_scale_pass_train_py_checks_from_its_scratch_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOCHACAL_SCALE", "gpu")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
-    notebook = nbformat.read(os.path.join(LESSONS, "06_language_modelling.ipynb"), as_version=4)
-    notebook.cells.insert(0, nbformat.v4.new_code_cell(TRAIN_ONE_STEP_THEN_CHECK.format(scratch=str(tmp_path))))
-    with pytest.raises(CellExecutionError) as stopped:
-        NotebookClient(notebook, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": LESSONS}}).execute()
-    assert stopped.value.ename == "PlanChecked", f"{stopped.value.ename}: {stopped.value.evalue}"
-    assert "2 runs checked" in str(stopped.value.evalue)  # the fine-tunes, not the scratch runs
+    checked = stopped_at_the_plan_check(os.path.join(LESSONS, "06_language_modelling.ipynb"),
+                                        TRAIN_ONE_STEP_THEN_CHECK.format(scratch=str(tmp_path)), monkeypatch)
+    assert "2 runs checked" in checked  # the fine-tunes, not the scratch runs
     assert len(glob.glob(str(tmp_path / "trained*" / "ckpt.pt"))) == 3
 
 
