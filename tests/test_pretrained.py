@@ -101,7 +101,9 @@ def test_a_gpt2_our_gpt_cannot_build_fails_in_one_line():
         GPT.from_pretrained(transformers.GPT2LMHeadModel(config))
 
 
-def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch):
+def offline_and_not_cached(monkeypatch, loader):
+    """loader.from_pretrained finds nothing in transformers' cache, and the hub cannot be reached.
+    Returns the list that collects each try's local_files_only."""
     tries = []
 
     def from_pretrained(name, local_files_only=False):
@@ -111,8 +113,13 @@ def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch):
     def unreachable(address, timeout):
         raise OSError("Name or service not known")
 
-    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(loader, "from_pretrained", from_pretrained)
     monkeypatch.setattr("socket.create_connection", unreachable)
+    return tries
+
+
+def test_a_name_offline_and_not_cached_fails_at_once(monkeypatch):
+    tries = offline_and_not_cached(monkeypatch, transformers.GPT2LMHeadModel)
     with pytest.raises(OSError, match=r"^gpt2 is not in transformers' cache and \S+ cannot be reached"):
         GPT.from_pretrained("gpt2")
     assert tries == [True]  # the download, which retries for half a minute, was never tried
@@ -139,17 +146,7 @@ def test_the_hub_is_probed_at_its_own_port(endpoint, address, monkeypatch):
 
 
 def test_gpt2_tokenizer_offline_and_not_cached_fails_at_once_saying_why(monkeypatch):
-    tries = []
-
-    def from_pretrained(name, local_files_only=False):
-        tries.append(local_files_only)
-        raise OSError(f"{name} not found")
-
-    def unreachable(address, timeout):
-        raise OSError("Name or service not known")
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
-    monkeypatch.setattr("socket.create_connection", unreachable)
+    tries = offline_and_not_cached(monkeypatch, transformers.AutoTokenizer)
     with pytest.raises(ValueError, match=r"GPT-2's tokenizer .*: gpt2 is not in transformers' cache "
                                          r"and \S+ cannot be reached"):
         data.gpt2_tokenizer()
