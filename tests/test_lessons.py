@@ -81,14 +81,6 @@ common.train_many = check_plan
 """
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(LESSONS, "*.ipynb"))),
-                         ids=os.path.basename)
-def test_lesson_plans_valid_runs_at_gpu_scale(path, tmp_path, monkeypatch):
-    # The paper's sizes are never trained here; the flags of the first runs each lesson plans
-    # at that scale must at least pass train.py's checks, as a reader with a GPU would run them.
-    stopped_at_the_plan_check(path, CHECK_THE_PLAN.format(scratch=str(tmp_path)), monkeypatch)
-
-
 def stopped_at_the_plan_check(path, first_cell, monkeypatch):
     """The lesson run at the gpu scale after first_cell, which must stop it with PlanChecked
     (its plan passed train.py's checks); returns PlanChecked's message."""
@@ -96,6 +88,14 @@ def stopped_at_the_plan_check(path, first_cell, monkeypatch):
         execute(path, "gpu", monkeypatch, first_cell)
     assert stopped.value.ename == "PlanChecked", f"{stopped.value.ename}: {stopped.value.evalue}"
     return str(stopped.value.evalue)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(LESSONS, "*.ipynb"))),
+                         ids=os.path.basename)
+def test_lesson_plans_valid_runs_at_gpu_scale(path, tmp_path, monkeypatch):
+    # The paper's sizes are never trained here; the flags of the first runs each lesson plans
+    # at that scale must at least pass train.py's checks, as a reader with a GPU would run them.
+    stopped_at_the_plan_check(path, CHECK_THE_PLAN.format(scratch=str(tmp_path)), monkeypatch)
 
 
 # Lesson 06 then fine-tunes with --init_from the checkpoint of its first plan's standard run,
