@@ -413,6 +413,19 @@ def test_cycles_generation_under_the_masks_walks_the_graph_one_state_at_a_time()
         assert written[:written.index(".") + 1] == [w for s in states for w in (s, "#")] + answer
 
 
+@pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
+def test_cycles_describe_shows_a_written_answer_and_teacher_forced_predictions(scratchpad):
+    task = get_task("cycles", cycle_n=2, scratchpad=scratchpad)
+    x, y = task.sample(1, torch.Generator().manual_seed(0))
+    prompt = task.prompts(x)[0]
+    truth = task.decode(task.completion(prompt))
+    # A row that wrote its stop token before the others goes on writing until they stop too.
+    written = torch.tensor(prompt + task.completion(prompt) + task.completion(prompt)[:2])
+    assert task.describe(written).endswith(f"truth : {truth}\nmodel : {truth}")
+    n = int((y[0] != -1).sum())  # the scored tokens: the inductive copies are not among them
+    assert task.describe(x[0], y[0], predictions=y[0]).endswith(
+        f"model : {truth}  ({n}/{n} tokens, exact match)")
+
 def test_cycles_layout_is_for_the_inductive_format_only():
     assert get_task("cycles", scratchpad="full").layout(torch.zeros(1, 3, dtype=torch.long)) == {}
     task = get_task("cycles", scratchpad="inductive")

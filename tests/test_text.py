@@ -198,6 +198,13 @@ def test_an_empty_prompt_is_refused_naming_the_flag(corpus):
         task.example(None, prompt="")
 
 
+def test_describe_shows_the_prompt_its_continuation_and_the_next_token_guesses(corpus):
+    task = get_task("text", data=str(corpus), context=16)
+    x, _ = task.example(None, prompt="the cat")  # describe() reads the prompt's length from here
+    text = task.describe(torch.cat([x[0], task.encode(" sat")]), predictions=task.encode("he cat sat"))
+    assert text == ("--- prompt (7 tokens) ---\nthe cat\n--- continuation (4 tokens) ---\n sat\n"
+                    "--- the model's next-token guesses ---\nhe cat sat")
+
 def test_sample_says_a_one_token_context_cannot_continue_any_prompt(corpus, tmp_path, capsys):
     train.main(TINY + ["--data", str(corpus), "--context", "1", "--max_iters", "1",
                        "--eval_interval", "1", "--out_dir", str(tmp_path)])
