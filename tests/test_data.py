@@ -142,7 +142,8 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
 
 @pytest.mark.parametrize("name, typed, flag", [("lego", dict(prompt="a = + 1 ,"), "--prompt"),
                                                ("lego", dict(length=30), "--length"),
-                                               ("parity", dict(length=0), "--length")])
+                                               ("parity", dict(length=0), "--length"),
+                                               ("cycles", dict(length=30), "--length")])
 def test_example_refuses_what_its_task_cannot_read_naming_the_flag(name, typed, flag):
     # sample.py hands --prompt and --length to Task.example, and prints its ValueError as one line.
     with pytest.raises(ValueError, match=f"^{flag}"):
