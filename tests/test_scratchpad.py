@@ -426,6 +426,7 @@ def test_cycles_describe_shows_a_written_answer_and_teacher_forced_predictions(s
     assert task.describe(x[0], y[0], predictions=y[0]).endswith(
         f"model : {truth}  ({n}/{n} tokens, exact match)")
 
+
 def test_cycles_layout_is_for_the_inductive_format_only():
     assert get_task("cycles", scratchpad="full").layout(torch.zeros(1, 3, dtype=torch.long)) == {}
     task = get_task("cycles", scratchpad="inductive")

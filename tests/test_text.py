@@ -205,6 +205,7 @@ def test_describe_shows_the_prompt_its_continuation_and_the_next_token_guesses(c
     assert text == ("--- prompt (7 tokens) ---\nthe cat\n--- continuation (4 tokens) ---\n sat\n"
                     "--- the model's next-token guesses ---\nhe cat sat")
 
+
 def test_sample_says_a_one_token_context_cannot_continue_any_prompt(corpus, tmp_path, capsys):
     train.main(TINY + ["--data", str(corpus), "--context", "1", "--max_iters", "1",
                        "--eval_interval", "1", "--out_dir", str(tmp_path)])
