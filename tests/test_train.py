@@ -373,14 +373,13 @@ def test_bench_measures_every_section_at_a_tiny_size(capsys, monkeypatch):
     assert tables == ["1", "2", "3", "4", "5", "6", "6b"], printed
 
 
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
-                    reason="bench.py measures a CPU's peak memory on Linux only")
 def test_bench_median_of_an_even_count_is_the_mean_of_the_middle_two():
     import bench
     assert bench.median([1.0, 2.0, 3.0, 4.0]) == 2.5 and bench.median([1.0, 2.0, 9.0]) == 2.0
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
+                    reason="bench.py measures a CPU's peak memory on Linux only")
 def test_bench_memory_grows_with_the_one_solves_maps_only():
     import bench
     T, n_head = 512, 2
@@ -388,6 +387,7 @@ def test_bench_memory_grows_with_the_one_solves_maps_only():
     # The one solve holds T x T maps (one alone: 2 MiB here); blocked and fused hold far less
     assert memory["one-solve"] >= T * T * n_head * 4 / 2**20, memory
     assert 4 * max(memory["blocked"], memory["fused"]) < memory["one-solve"], memory
+
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
                     reason="bench.py measures a CPU's peak memory on Linux only")
@@ -822,7 +822,6 @@ def test_resume_takes_a_gamma_that_the_model_does_not_use(tmp_path, capsys):
     assert "different model (--gamma)" in error
 
 
-
 @pytest.mark.parametrize("typed, named", [
     (["--n_layer", "auto"], "(--n_layer)"),           # not the norm and adaptive depth it implies
     (["--n_layer", "auto", "--norm", "post"], "(--n_layer, --norm)"),
@@ -971,6 +970,7 @@ def test_resume_rewrites_metrics_jsonl_from_the_checkpoint(tmp_path):
     train.main(flags + ["--resume"])
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == saved
+
 
 def test_a_resumed_run_started_from_init_from_is_named_as_itself(tmp_path, capsys):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2"]
