@@ -44,6 +44,12 @@ def docstring_lines(obj):
     return inspect.cleandoc(obj.__doc__).splitlines()
 
 
+# For tests that send a process a POSIX signal (SIGINT as a Ctrl-C, SIGKILL as kill -9): Windows
+# has no such delivery (its os.kill with SIGINT ends the process outright, the test runner with it).
+needs_posix_signals = pytest.mark.skipif(os.name != "posix",
+                                         reason="sends a process POSIX signals (Ctrl-C, kill -9)")
+
+
 @contextlib.contextmanager
 def time_limit(seconds):
     """Raise TimeoutError in the main thread once `seconds` have passed (no limit on Windows,

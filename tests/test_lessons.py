@@ -20,7 +20,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 import train
-from conftest import ROOT
+from conftest import ROOT, needs_posix_signals
 
 LESSONS = os.path.join(ROOT, "lessons")
 sys.path.insert(0, LESSONS)
@@ -249,6 +249,7 @@ def test_a_failed_parallel_run_names_its_log_and_cancels_the_runs_not_started(tm
     assert not (tmp_path / "queued7").exists()
 
 
+@needs_posix_signals
 def test_a_killed_parallel_run_is_named_as_killed(tmp_path, capsys):
     # A worker killed from outside (the kernel's out-of-memory killer, say) leaves no error
     # behind, only a broken pool: the message must say what most likely happened, and name the

@@ -14,7 +14,7 @@ import torch
 
 import sample
 import train
-from conftest import ROOT, run_in_process
+from conftest import ROOT, needs_posix_signals, run_in_process
 from data import PointerChains, get_task
 
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
@@ -948,6 +948,7 @@ def test_out_dir_and_init_from_expand_a_leading_tilde(tmp_path, monkeypatch):
     assert args.init_from == str(tmp_path / "a") and args.out_dir == str(tmp_path / "b")
 
 
+@needs_posix_signals
 def test_a_ctrl_c_while_a_checkpoint_is_saved_takes_effect_after_it(tmp_path, monkeypatch):
     save = torch.save
 
@@ -1081,6 +1082,7 @@ def test_resuming_a_mimicking_run_does_not_mimic_again(tmp_path, capsys):
     assert ["mimic_loss" in m for m in run["metrics"]] == [True, False, False]  # the first record
 
 
+@needs_posix_signals
 def test_kill_9_then_resume_reproduces_an_uninterrupted_run(tmp_path):
     flags = TINY + ["--attn", "standard,chacal", "--n_layer", "2", "--dropout", "0.1",
                     "--max_iters", "400", "--eval_interval", "20"]
@@ -1340,7 +1342,7 @@ def test_run_command_turns_a_ctrl_c_into_its_one_line():
     assert stop.value.code == "interrupted; nothing is lost"
 
 
-@pytest.mark.skipif(os.name != "posix", reason="a process killed by a signal, as POSIX has it")
+@needs_posix_signals
 @pytest.mark.parametrize("script", ["train.py", "sample.py", "bench.py", "data.py"])
 def test_a_ctrl_c_while_torch_loads_stops_a_script_without_a_traceback(script, tmp_path):
     # A stand-in torch that gets a Ctrl-C as it loads: the script stops at once and says nothing,
@@ -1358,6 +1360,7 @@ def test_a_ctrl_c_while_torch_loads_stops_a_script_without_a_traceback(script, t
     assert ignored.returncode == 1 and ignored.stderr == "torch loaded\n", ignored.stderr
 
 
+@needs_posix_signals
 def test_a_ctrl_c_once_training_runs_ends_train_py_with_its_one_line(tmp_path):
     # Past the imports, run_command gives a Ctrl-C back to Python: one line, not a silent kill.
     process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *TINY,
