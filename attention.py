@@ -7,9 +7,9 @@ Every variant maps x (B, T, C) to (B, T, C) and is called as
     attn(x, cache=None, token_ids=None, depth=0, groups=None)
 
 - `cache` is a LayerCache when decoding token by token (see GPT.generate), else None.
-- `groups` (B, T) are the attention groups of the inductive scratchpad (model.inductive_layout), or None
-  for the ordinary causal mask. Standard attention and ChaCAL honour them; the others (and ChaCAL's
-  chacal_diagonal ablation) refuse them.
+- `groups` (B, T) are the attention groups of the inductive scratchpad (model.inductive_layout),
+  or None for the ordinary causal mask. Standard attention and ChaCAL honour them; the others
+  (and ChaCAL's chacal_diagonal ablation) refuse them.
 - `token_ids` (B, T) and `depth` (the index of the layer in the stack) are passed to every variant
   so that variants which need them (LEGO attention reads token ids, Sliding-Dilated-Attention
   picks its dilation from the depth) fit the same call. Standard attention and ChaCAL ignore them.
@@ -204,9 +204,10 @@ class BlockedChaCAL(torch.autograd.Function):
     with A_b the block's rows of A (normalised over every key up to the row, as always), M_<e
     the earlier mixed values and A_bb the block's own n x n lower triangle: a small unit
     lower-triangular solve per block. Only q, k, v, Y, each row's log-normaliser (and a past's
-    keys and mixed values) are kept, q, k and v in their own dtype: under bf16 autocast they are cast to the solve's float32 a block of
-    rows at a time (the keys once per pass), since float32 copies of all three, kept for the
-    backward, would cost more memory than fused attention's whole step.
+    keys and mixed values) are kept, q, k and v in their own dtype: under bf16 autocast they are
+    cast to the solve's float32 a block of rows at a time (the keys once per pass), since float32
+    copies of all three, kept for the backward, would cost more memory than fused attention's
+    whole step.
 
     Backward. With C = (1-γ)AV (plus A M_past for a cache) and N = γA' among the new tokens,
     Y = (I - N)⁻¹C, so for g = dL/dY

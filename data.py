@@ -671,13 +671,14 @@ class Boxes(Task):
     version="advanced": 8 boxes A-H, 4 holding one item, 1-31 operations (log-uniform), every
     move implicit, only filled boxes described and answered: chains of up to 31 moves.
     n_boxes, n_filled, n_objects, min_ops, max_ops resize a version and keep its rules (None:
-    the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 operations is an advanced version
-    of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14. It needs two
-    filled boxes or more: with one, every move starts where the last one ended, so the answer's
-    box is the last move's destination, read without following anything.
+    the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 operations is an advanced
+    version of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14. It
+    needs two filled boxes or more: with one, every move starts where the last one ended, so the
+    answer's box is the last move's destination, read without following anything.
 
     Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
-    template words and 100 objects in one sorted list; word-level, see encode(). A row and its labels (-1 is not scored):
+    template words and 100 objects in one sorted list; word-level, see encode(). A row and its
+    labels (-1 is not scored):
 
         x       <bos> the cup ... Box C  .  <sep> Box A        contains ... map .     <eos> <pad>
         y       -1    -1  -1  ... -1  -1 -1 Box   A   contains the      ... .   <eos> -1    -1
@@ -1582,11 +1583,11 @@ class Cycles(Task):
 
     --scratchpad picks the format. "full" is the DFS scratchpad: the walk from A, each step
     written with every earlier one in view. "inductive" writes states after ":", one node each,
-    closed by "#"; under the inductive scratchpad's masks (model.inductive_layout) each state sees only
-    the question and the state before it. So the states are the nodes *after* A: were A itself
-    a state, the state after it would be its successor the first time and "0" when a walk on an
-    n-cycle comes back to A, from the same view both times. ":" ends the prompt. Training rows
-    are in the training form, each closed state twice, the second copy unscored:
+    closed by "#"; under the inductive scratchpad's masks (model.inductive_layout) each state
+    sees only the question and the state before it. So the states are the nodes *after* A: were
+    A itself a state, the state after it would be its successor the first time and "0" when a
+    walk on an n-cycle comes back to A, from the same view both times. ":" ends the prompt.
+    Training rows are in the training form, each closed state twice, the second copy unscored:
 
         x   ... v54 ? v46 ; :   v58 # v58 #   v77 # v77 #   v46 # v46 # 1 .
         y   ... -   - -   - v58 #   - -   v77 #   - -   v46 #   - -   1 . -

@@ -581,8 +581,8 @@ def inductive_layout(idx, start_id, sep_id):
         group    = 0 on Q (up to the start token), else 1 + ⌈j / 2⌉ on segment j
         position = its index on Q, else t + (its index - the index of its group's first token)
 
-    t being the number of tokens up to its start token, included. A row without the start token is all group 0 with
-    positions 0, 1, 2, ...: the ordinary layout."""
+    t being the number of tokens up to its start token, included. A row without the start token
+    is all group 0 with positions 0, 1, 2, ...: the ordinary layout."""
     segment = segments(idx, start_id, sep_id)
     groups = torch.where(segment < 0, 0, 1 + (segment + 1) // 2)
     index = torch.arange(idx.size(1), device=idx.device).expand_as(idx)
@@ -601,8 +601,9 @@ def copies(idx, start_id, sep_id):
 
 class InductiveRows:
     """Where each row of a batch decoded under the inductive scratchpad stands: the group and
-    position of its next token, its t (tokens up to the start token, included) once that is written, its
-    current state's tokens. step() turns a row's next token into what the model must read."""
+    position of its next token, its t (tokens up to the start token, included) once that is
+    written, its current state's tokens. step() turns a row's next token into what the model
+    must read."""
 
     def __init__(self, batch_size, start_id, sep_id):
         self.start_id, self.sep_id = start_id, sep_id
@@ -652,8 +653,9 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, temperature
     costs one step of ordinary cached decoding, and a # that closes state s[i] costs reading
     s[i] # again, as the previous state of the next group at positions t, t+1, ... (the first of
     Appendix C's two remedies for the cache). The cache then forgets group i, which no later
-    token can see: it keeps Q and at most two states. Same options as GPT.generate (no prompt_lengths). Decoding stops early
-    if a state outgrows the position table (a model that has not learned to write # yet).
+    token can see: it keeps Q and at most two states. Same options as GPT.generate (no
+    prompt_lengths). Decoding stops early if a state outgrows the position table (a model that
+    has not learned to write # yet).
     """
     B, device = idx.size(0), idx.device
     with evaluating(model):
