@@ -379,7 +379,7 @@ def main(argv=None):
     step_ratios = []
     for T in lengths:
         std, cha = medians_in_turns([training_step(attn, T, tokens, size, dtype, device)
-                                      for attn in ["standard", "chacal"]], device, args.repeats)
+                                     for attn in ["standard", "chacal"]], device, args.repeats)
         print(row(T, std, cha))
         step_ratios.append(cha[0] / std[0])
     target(f"ChaCAL training step / standard step at T = {lengths[0]}, the toy size"
@@ -404,7 +404,7 @@ def main(argv=None):
     lego = dict(causal=False, broadcast_ids=(0, 1))
     lego_attns = ["standard", "lego_v0", "lego_v1"]
     steps = medians_in_turns([training_step(attn, lego_T, tokens, size, dtype, device, **lego)
-                               for attn in lego_attns], device, args.repeats)
+                              for attn in lego_attns], device, args.repeats)
     baseline = None
     for attn, (seconds, _) in zip(lego_attns, steps):
         flops, params = count_step(attn, lego_T, tokens, size, **lego)

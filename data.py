@@ -1931,7 +1931,7 @@ class Text(Task):
     generates_answer = True  # sample.py continues a prompt
     train_defaults = {"n_layer": 4, "lr": 1e-3, "eval_samples": 256}
     flags = {"data": dict(help="text: a text file (read as bytes), or a .bin of GPT-2 token ids; "
-                                "default: English that ships with Python, built in data_cache/"),
+                               "default: English that ships with Python, built in data_cache/"),
              "context": dict(type=int, help="text: tokens per training window (128)")}
 
     def __init__(self, data=None, context=128, cache_dir="data_cache"):
@@ -1940,7 +1940,7 @@ class Text(Task):
         path = python_docs_corpus(cache_dir) if data is None else data
         if not os.path.isfile(path):
             raise ValueError(f"--data {path}: " + ("a directory; name a file in it"
-                                                    if os.path.isdir(path) else "no such file"))
+                                                   if os.path.isdir(path) else "no such file"))
         if os.path.getsize(path) == 0:
             raise ValueError(f"--data {path}: the file is empty")
         self.gpt2_tokens = path.endswith(".bin")

@@ -119,8 +119,8 @@ def test_simulator_on_hand_written_cases():
     assert render_answer(boxes) == TINY_ANSWER
     assert depth == dict(A=0, B=0, C=1)  # the key is named by its move; the cup is not
     boxes, depth = simulate("There is nothing in Box A, the egg is in Box B. Put the fan and the "
-                              "map into Box A. Remove the map from Box A. Move the contents of Box "
-                              "A to Box B. Put the map into Box A.")
+                            "map into Box A. Remove the map from Box A. Move the contents of Box "
+                            "A to Box B. Put the map into Box A.")
     assert boxes == dict(A={"map"}, B={"egg", "fan"}) and depth == dict(A=0, B=1)
     # A sentence that names an item, a move or a put, starts its chain again.
     _, depth = simulate("The egg is in Box A, there is nothing in Box B, there is nothing in Box C. "

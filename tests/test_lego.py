@@ -423,7 +423,7 @@ def test_forward_and_backward_run_and_both_are_as_wide_as_standard_attention(nam
     ("lego_v1", 128, 4, 2, 16, 16), ("lego_v1", 16, 2, 1, 2, 2), ("lego_v1", 256, 8, 4, 32, 32),
     ("lego_v1", 48, 3, 1, 8, 8), ("lego_v1", 12, 2, 1, 1, 3)])
 def test_the_pathways_share_the_channels_of_the_heads_they_replace(name, n_embd, n_head, kept,
-                                                                    map_width, conv_width):
+                                                                   map_width, conv_width):
     # v0 replaces every head; v1 keeps half of them, rounded down. The four pathways
     # (association, [CLS], [SEP], the convolution) split what is left; the conv takes the rest.
     attn = lego_attention(name, causal=False, n_embd=n_embd, n_head=n_head)
@@ -509,7 +509,7 @@ def test_mimicking_lowers_the_mimicking_loss(causal):
     torch.manual_seed(0)
     task = get_task("lego", n_vars=4)  # unlabelled LEGO sentences, as in the paper
     config = GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_layer=2,
-                             n_head=2, n_embd=32, attn="standard", causal=causal)
+                       n_head=2, n_embd=32, attn="standard", causal=causal)
     model = GPT(config)
     x, _ = task.sample(16, torch.Generator().manual_seed(1))
     loss = lambda: mimicking_loss(model.attention_maps(x), x, causal).item()

@@ -101,7 +101,7 @@ def docstring_examples():
 def test_docstring_worked_examples_match_the_solver():
     examples = docstring_examples()
     assert {name for name, _, _ in examples} >= set(SEQUENCE_TASKS) | {"d2", "tomita3", "tomita4",
-                                                                     "tomita5", "tomita6"}
+                                                                       "tomita5", "tomita6"}
     for name, tokens, label in examples:
         task = get_task(name)
         x = torch.tensor([[task.vocab.index(token) for token in tokens.split()]])

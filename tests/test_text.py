@@ -292,7 +292,7 @@ def test_init_from_keeps_the_weights_shape_and_says_nothing_of_the_task_s(corpus
     (["--attn", "lego_v0"], "--attn lego_v0"),
 ])
 def test_init_from_a_model_of_another_shape_fails_with_one_line(flags, named, corpus, tmp_path,
-                                                               capsys):
+                                                                capsys):
     train.main(TINY + ["--data", str(corpus), "--max_iters", "2", "--out_dir", str(tmp_path / "pre")])
     np.zeros(1000, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
     flags = [str(tmp_path / "tokens.bin") if flag == "TOKENS" else flag for flag in flags]

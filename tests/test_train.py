@@ -136,7 +136,7 @@ def test_flags_typed_on_resume_override_the_saved_ones(tmp_path):
 
 
 def test_a_fresh_run_stopped_before_its_first_checkpoint_leaves_the_earlier_run(tmp_path,
-                                                                              monkeypatch):
+                                                                                monkeypatch):
     flags = TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)]
     train.main(flags)
     before = [(tmp_path / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")]
@@ -353,7 +353,7 @@ def test_bench_measures_every_section_at_a_tiny_size(capsys, monkeypatch):
     size = dict(n_embd=16, n_head=2)
     (t_std, _), (t_cha, _) = bench.bench_core(16, 32, 2, 8, torch.float32, "cpu", repeats=1)
     (step, _), = bench.medians_in_turns([bench.training_step("chacal", 16, 32, size, torch.float32,
-                                                               "cpu")], "cpu", repeats=1)
+                                                             "cpu")], "cpu", repeats=1)
     cached, recomputed = bench.bench_decode([("chacal", True), ("chacal", False)], 8, 2, size,
                                             torch.float32, "cpu", repeats=1)
     assert t_std > 0 and t_cha > 0 and step > 0 and cached > 0 and recomputed > 0
