@@ -373,13 +373,17 @@ def test_bench_measures_every_section_at_a_tiny_size(capsys, monkeypatch):
     assert tables == ["1", "2", "3", "4", "5", "6", "6b"], printed
 
 
+# bench.py resets the process's peak resident size through /proc/self/clear_refs: Linux only.
+measures_peak_memory = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
+                                          reason="bench.py measures a CPU's peak memory on Linux only")
+
+
 def test_bench_median_of_an_even_count_is_the_mean_of_the_middle_two():
     import bench
     assert bench.median([1.0, 2.0, 3.0, 4.0]) == 2.5 and bench.median([1.0, 2.0, 9.0]) == 2.0
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
-                    reason="bench.py measures a CPU's peak memory on Linux only")
+@measures_peak_memory
 def test_bench_memory_grows_with_the_one_solves_maps_only():
     import bench
     T, n_head = 512, 2
@@ -389,8 +393,7 @@ def test_bench_memory_grows_with_the_one_solves_maps_only():
     assert 4 * max(memory["blocked"], memory["fused"]) < memory["one-solve"], memory
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
-                    reason="bench.py measures a CPU's peak memory on Linux only")
+@measures_peak_memory
 def test_bench_memory_counts_the_blocked_paths_small_blocks():
     import bench
     # At T = 256 the blocked path allocates blocks of 32 rows, well under 64 KiB; in a fresh process
