@@ -14,8 +14,9 @@ import torch
 
 import sample
 import train
+from attention import ATTENTIONS
 from conftest import ROOT, needs_posix_signals, run_in_process
-from data import PointerChains, get_task
+from data import TASKS, PointerChains, get_task
 
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
         "--batch_size", "8", "--eval_samples", "16", "--no-progress", "--device", "cpu"]
@@ -320,6 +321,38 @@ def test_sample_script_reads_a_regular_language_or_lego_in_one_pass(tmp_path, fl
     result = run_sample("--out_dir", str(tmp_path), *length)
     assert result.returncode == 0, result.stderr
     assert shown in result.stdout and "tokens/s" not in result.stdout  # one pass: nothing decoded
+
+
+# Each task at a size that trains a step in milliseconds (the regular languages share one).
+GRID_SIZES = {"toy": "--n_blocks 3 --block_len 2", "lego": "--n_vars 3 --bidirectional",
+              "boxes": "--boxes_version advanced --n_boxes 3 --n_filled 2 --n_objects 4 --max_ops 2 "
+                       "--n_train 8 --n_test 4",
+              "cycles": "--cycle_n 2", "text": "--context 8 --data corpus.txt"}
+REGULAR_SIZE = "--max_train_length 4 --max_test_length 6 --length_samples 2"
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_every_attention_trains_and_samples_every_task_or_is_refused_in_one_line(task, tmp_path,
+                                                                                  monkeypatch):
+    """The task-by-attention grid as a user meets it, a stack of two included: a step of training,
+    then sample.py with and without the cache. The one pairing that cannot work, a bidirectional
+    task with Sliding-Dilated-Attention (it only looks back), is refused at start."""
+    monkeypatch.chdir(tmp_path)  # boxes writes its data_cache/ here
+    (tmp_path / "corpus.txt").write_text("the key is in box a; move a into c. " * 20)
+    for attn in [*ATTENTIONS, "standard,chacal"]:
+        flags = (f"--task {task} {GRID_SIZES.get(task, REGULAR_SIZE)} --attn {attn} "
+                 f"--n_layer {attn.count(',') + 1} --n_embd 8 --n_head 2 --batch_size 2 "
+                 f"--max_iters 1 --eval_interval 1 --eval_samples 2 --no-progress --device cpu "
+                 f"--out_dir {attn}").split()
+        trained = run_in_process(train.main, "train.py", *flags)
+        if task == "lego" and attn == "dilated":
+            assert trained.returncode == 2 and trained.stderr.count("\n") == 1, trained.stderr
+            assert trained.stderr.startswith("train.py: error: --bidirectional")
+            continue
+        assert trained.returncode == 0 and "done:" in trained.stdout, (attn, trained.stderr)
+        for cache in ("--cache", "--no-cache"):
+            sampled = run_sample("--out_dir", attn, "--device", "cpu", cache)
+            assert sampled.returncode == 0 and f"{task}, " in sampled.stdout, (attn, sampled.stderr)
 
 
 def test_learning_rate_warms_up_then_follows_a_cosine_to_min_lr(tmp_path):
