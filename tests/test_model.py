@@ -59,6 +59,22 @@ def test_post_norm_blocks_decode_with_a_cache_and_normalise_their_output():
     torch.testing.assert_close(decoded_with_cache(model, idx, 7), full, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_a_block_computes_the_equations_of_its_docstring(norm):
+    block = small_model("standard", norm=norm).transformer.h[0]
+    for ln in (block.ln_1, block.ln_2):  # LayerNorm's initial weight 1 and bias 0 would hide an order
+        torch.nn.init.normal_(ln.weight), torch.nn.init.normal_(ln.bias)
+    x = torch.randn(2, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    attend, ln_1, ln_2, mlp = block.attn, block.ln_1, block.ln_2, block.mlp
+    if norm == "pre":  # x + attention(LN(x)), then x + MLP(LN(x))
+        h = x + attend(ln_1(x))
+        expected = h + mlp(ln_2(h))
+    else:  # LN(x + attention(x)), then LN(x + MLP(x))
+        h = ln_1(x + attend(x))
+        expected = ln_2(h + mlp(h))
+    torch.testing.assert_close(block(x), expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("attn", ATTENTION_STACKS)
 def test_prefill_then_continue_equals_one_solve(attn, fused):
