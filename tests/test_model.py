@@ -278,6 +278,7 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(pos="sinusoidal"), "--pos"),
     (dict(adaptive_depth=True), "--share_weights"),
     (dict(thickness=2), "--thickness"),
+    (dict(thickness=2, n_layer=4), "--thickness 2 only means something with --share_weights"),
     (dict(share_weights=True, thickness=0), "--thickness"),
     (dict(n_layer=0), "--n_layer"),
     (dict(share_weights=True, adaptive_depth=True, min_train_layers=1), "--min_train_layers"),
@@ -285,12 +286,19 @@ def test_mixed_stack_builds_each_attention_per_layer():
     (dict(n_layer=4, min_train_layers=2), "--min_train_layers"),
     (dict(attn="dilated", causal=False), "--bidirectional"),
     (dict(attn="standard,chacal", share_weights=True, thickness=3), "--thickness"),
-    (dict(share_weights=True, thickness=3, n_layer=2), "--thickness 3 exceeds --n_layer 2"),  # idle blocks
+    (dict(share_weights=True, thickness=3, n_layer=2), "--thickness 3 exceeds --n_layer 2: 1 shared "
+                                                       "block would never run"),  # idle blocks
     (dict(attn="dilated", thickness=3, n_layer=2), "--thickness 3 exceeds --n_layer 2"),  # as thickness 2
 ])
 def test_bad_configs_fail_at_construction_naming_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
         GPTConfig(**options)
+
+
+@pytest.mark.parametrize("options", [dict(n_embd=1, n_head=1), dict(share_weights=True, n_layer=4,
+                                     min_train_layers=4), dict(share_weights=True, n_layer=4, thickness=4)])
+def test_configs_at_the_edge_of_what_is_allowed_build(options):  # each check's boundary, inside
+    GPTConfig(**options)
 
 
 def test_sequences_longer_than_block_size_are_refused():
