@@ -448,9 +448,11 @@ def test_weight_init_gpt2_ties_the_embeddings_and_xavier_follows_pytorchs_defaul
     gpt2, xavier = GPT(GPTConfig(**config)), GPT(GPTConfig(**config, weight_init="xavier"))
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     assert xavier.lm_head.weight is not xavier.transformer.wte.weight
-    assert gpt2.transformer.wte.weight.std().item() == pytest.approx(0.02, rel=0.1)
-    for embedding in (xavier.transformer.wte, xavier.transformer.wpe):
+    for weight in (gpt2.transformer.wte.weight, gpt2.transformer.h[0].mlp.c_fc.weight):  # N(0, 0.02)
+        assert weight.std().item() == pytest.approx(0.02, rel=0.1) and abs(weight.mean().item()) < 0.002
+    for embedding in (xavier.transformer.wte, xavier.transformer.wpe):  # N(0, 1)
         assert embedding.weight.std().item() == pytest.approx(1.0, rel=0.1)
+        assert abs(embedding.weight.mean().item()) < 0.1
     fc = xavier.transformer.h[0].mlp.c_fc.weight  # Xavier-uniform: U(±√(6 / (fan_in + fan_out)))
     bound = (6 / sum(fc.shape)) ** 0.5
     assert fc.abs().max().item() <= bound and fc.std().item() == pytest.approx(bound / 3 ** 0.5, rel=0.1)
