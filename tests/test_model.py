@@ -181,8 +181,9 @@ def test_sampling_draws_from_the_tempered_softmax_among_the_top_k():
                                      dict(attn="lego_v1", causal=False, broadcast_ids=(0,))])
 def test_weight_decay_reaches_the_mixing_weights_only(options):
     model = GPT(GPTConfig(block_size=16, vocab_size=8, n_layer=3, n_embd=16, n_head=2, **options))
-    decayed, kept = (set(map(id, group["params"])) for group in
-                     model.configure_optimizer(0.1, 1e-3, (0.9, 0.95)).param_groups)
+    groups = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95)).param_groups
+    assert [group["weight_decay"] for group in groups] == [0.1, 0.0]
+    decayed, kept = (set(map(id, group["params"])) for group in groups)
     mixing = {id(m.weight) for m in model.modules()
               if isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d))}
     assert decayed == mixing  # the linear maps, the embeddings, LEGO's convolution
