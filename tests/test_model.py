@@ -158,6 +158,10 @@ def test_sampling_is_reproducible_with_a_generator_and_respects_top_k():
     assert torch.equal(a, b)
     # With top_k=1 sampling can only take the argmax: it must equal greedy decoding.
     assert torch.equal(model.generate(prompt, 10, top_k=1), model.generate(prompt, 10, temperature=0))
+    # The default temperature is 1: the model's own distribution.
+    assert torch.equal(model.generate(prompt, 10, generator=torch.Generator().manual_seed(0)),
+                       model.generate(prompt, 10, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(0)))
 
 
 def test_sampling_draws_from_the_tempered_softmax_among_the_top_k():
@@ -171,6 +175,9 @@ def test_sampling_draws_from_the_tempered_softmax_among_the_top_k():
     torch.testing.assert_close(frequencies(temperature=2.0), weights / weights.sum(), atol=0.01, rtol=0)
     top3 = torch.cat([torch.zeros(2, dtype=torch.double), weights[2:] / weights[2:].sum()])
     torch.testing.assert_close(frequencies(temperature=2.0, top_k=3), top3, atol=0.01, rtol=0)
+    for k in (1, 2, 5, 9):  # exactly the k largest are ever drawn (all of them when k >= vocab)
+        picks = GPT.pick_token(logits, temperature=100.0, top_k=k, generator=generator)
+        assert set(picks[:, 0].tolist()) == set(range(5 - min(k, 5), 5))
     assert (GPT.pick_token(logits[:2], temperature=0) == 4).all()
     for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_k=0)):
         with pytest.raises(ValueError, match="temperature .* top_k"):
@@ -315,10 +322,15 @@ def test_sequences_longer_than_block_size_are_refused():
     model(torch.zeros(1, 30, dtype=torch.long), caches=caches)
     with pytest.raises(ValueError, match="sequence of 41 tokens is longer than block_size 40"):
         model(torch.zeros(1, 11, dtype=torch.long), caches=caches)
-    with pytest.raises(ValueError, match="block_size"):
+    # generate refuses at start, before a token is written, naming both lengths.
+    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_new_tokens \(12\) has "
+                                         r"the model read 41 tokens, more than block_size 40"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 12)
     # The last token written is never read: 30 + 11 tokens fit a block of 40.
     assert model.generate(torch.zeros(1, 30, dtype=torch.long), 11).shape == (1, 41)
+    # Without a position table (--pos none) there is no limit to refuse.
+    unbounded = small_model("chacal", pos="none")
+    assert unbounded.generate(torch.zeros(1, 30, dtype=torch.long), 30).shape == (1, 60)
 
 
 @pytest.mark.parametrize("length, chunk, levels", [

@@ -8,7 +8,8 @@ import torch
 import train
 from attention import group_visibility
 from data import CYCLE_PAD, CYCLE_START, CYCLE_SEP, Cycles, get_task
-from model import GPT, GPTConfig, copies, generate_inductive, inductive_layout, training_form
+from model import (GPT, GPTConfig, copies, generate_inductive, inductive_layout, segments,
+                   training_form)
 
 ATTENTIONS = ["standard", "chacal", "standard,chacal"]
 START, SEP = 6, 7  # the start token and separator of the small models below (vocabulary 8)
@@ -38,6 +39,7 @@ def test_training_form_and_layout_of_the_worked_example():
     assert positions[0].tolist() == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 4, 5, 6]
     assert copies(x, START, SEP)[0].tolist() == [False] * 6 + [True] * 2 + [False] * 2 + \
         [True] * 2 + [False]
+    assert segments(x, START, SEP)[0].tolist() == [-1] * 4 + [0, 0, 1, 1, 2, 2, 3, 3, 4]
     # Without the start token: the ordinary layout.
     x, positions, groups = layout_of([0, 1, SEP, 2])
     assert positions[0].tolist() == [0, 1, 2, 3] and groups[0].tolist() == [0, 0, 0, 0]
@@ -113,6 +115,7 @@ def test_cached_inductive_generation_equals_uncached(attn, fused):
             generator=torch.Generator().manual_seed(5), return_logits=True)
     (cached, cached_logits), (plain, plain_logits) = results[True], results[False]
     assert torch.equal(cached, plain) and cached.shape == (4, 37)
+    assert cached_logits.shape == (4, 30, model.config.vocab_size)  # (B, new tokens, vocab)
     torch.testing.assert_close(cached_logits, plain_logits, rtol=1e-10, atol=1e-10)
     assert (cached[:, 7:] == SEP).sum() >= 8  # many states were closed
 
@@ -183,6 +186,16 @@ def test_greedy_inductive_generation_writes_the_same_with_and_without_cache():
     out = [generate_inductive(model, prompts, 25, START, SEP, temperature=0, use_cache=c)
            for c in (True, False)]
     assert torch.equal(out[0], out[1]) and torch.equal(out[0][:, :6], prompts)
+
+
+def test_inductive_generation_samples_at_temperature_1_by_default():
+    model = sep_friendly(small_model("chacal"))
+    prompts = torch.randint(0, START, (3, 6), generator=torch.Generator().manual_seed(2))
+    prompts[:, -1] = START
+    out = [generate_inductive(model, prompts, 25, START, SEP, **options,
+                              generator=torch.Generator().manual_seed(3))
+           for options in ({}, dict(temperature=1.0))]
+    assert torch.equal(out[0], out[1])
 
 
 def test_ordinary_layout_passed_explicitly_changes_nothing():
