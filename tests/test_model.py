@@ -455,6 +455,15 @@ def test_gpt2_init_scales_the_residual_projections_by_depth():
             assert projection.weight.std().item() == pytest.approx(0.02 / 24 ** 0.5, rel=0.05)
 
 
+def test_dilated_attention_starts_its_score_bias_and_pad_at_gpt2s_scale():
+    torch.manual_seed(0)  # r (heads x chunk) and p (n_embd): N(0, 0.02), as GPT-2's weights
+    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_head=8, n_embd=512, attn="dilated",
+                          chunk=64, pos="none"))
+    for weight in (model.transformer.h[0].attn.offset_bias, model.transformer.h[0].attn.pad):
+        assert weight.numel() == 512 and abs(weight.mean().item()) < 0.003
+        assert weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
 def test_weight_init_gpt2_ties_the_embeddings_and_xavier_follows_pytorchs_defaults():
     torch.manual_seed(0)
     config = dict(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_embd=64, attn="standard")
