@@ -1,6 +1,8 @@
 """Tasks: labels against a brute-force solver, and the structure each task promises."""
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,6 +123,21 @@ def test_unknown_task_names_the_flag():
 def test_toy_sizes_out_of_range_name_their_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
         get_task("toy", **options)
+    get_task("toy", n_blocks=2, block_len=1)  # the smallest that is allowed builds
+
+
+def test_a_flag_s_help_states_its_task_s_own_default():
+    # "(16)" at the end of a flag's help is a promise about the constructor's default
+    stated = 0
+    for name in data.TASKS:
+        task_class = data.task_class(name)
+        defaults = inspect.signature(task_class.__init__).parameters
+        for flag, spec in task_class.flags.items():
+            said = re.search(r"\((\w+)\)$", spec.get("help", ""))
+            if said and defaults[flag].default is not None:
+                assert str(defaults[flag].default) == said.group(1), (name, flag)
+                stated += 1
+    assert stated >= 10
 
 
 def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench
+import train
 from attention import ATTENTIONS, mimic, mimicking_loss, mimicking_targets
 from conftest import docstring_lines
 from data import LEGO, get_task
@@ -297,13 +298,19 @@ def test_a_small_bidirectional_model_learns_the_root_in_a_few_steps():
 
 
 @pytest.mark.parametrize("options, flag", [
-    (dict(n_vars=30), "--n_vars 30 exceeds"), (dict(n_vars=0), "--n_vars 0"),
+    (dict(n_vars=27), "--n_vars 27 exceeds"), (dict(n_vars=0), "--n_vars 0"),
     (dict(n_supervised=0), "--n_supervised 0"), (dict(n_supervised=13), "--n_supervised 13"),
     (dict(group="z3"), "--group"),
 ])
 def test_bad_options_raise_naming_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
         get_task("lego", **options)
+
+
+def test_supervise_last_typed_to_train_py_trains_on_the_last_position():
+    _, task, _, _ = train.parse_args(["--task", "lego", "--bidirectional", "--n_vars", "6",
+                                      "--n_supervised", "3", "--supervise_last"])
+    assert task.supervised.tolist() == [True, True, True, False, False, True]
 
 
 # ----------------------------------------------------------------------------------------------

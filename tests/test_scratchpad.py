@@ -358,7 +358,7 @@ def test_cycles_block_size_is_the_longest_row_of_either_split(options, scratchpa
     (dict(cycle_n=5, cycle_distance=3, test_cycle_distance=7), (5, 7)),
     (dict(cycle_n=3, cycle_distance=2, test_cycle_n=6), (6, 6)),  # a test n of its own: its default
     (dict(cycle_n=5, cycle_distance=3, test_cycle_n=5), (5, 3)),  # training's n typed again
-    (dict(cycle_n=4), (4, 4))])
+    (dict(cycle_n=4), (4, 4)), (dict(cycle_n=4, cycle_distance=1), (4, 1))])
 def test_cycles_test_split_sizes_default_to_the_training_splits(options, test_size):
     task = get_task("cycles", **options)
     assert task.sizes["test"] == test_size
@@ -366,6 +366,7 @@ def test_cycles_test_split_sizes_default_to_the_training_splits(options, test_si
 
 def test_cycles_default_names_cover_the_larger_test_graph():
     task = get_task("cycles", cycle_n=3, test_cycle_n=60)  # 120 nodes: more than 100 names
+    assert task.n_names == 120 and get_task("cycles", cycle_n=3).n_names == 100
     x, _ = task.sample(2, torch.Generator().manual_seed(0), split="test")
     for row in x.tolist():
         words = [task.vocab[i] for i in row]
