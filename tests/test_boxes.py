@@ -168,6 +168,15 @@ def test_default_generator_follows_the_rules():
     assert any(size == 3 for _, size in moves)
 
 
+def test_a_move_keeps_each_item_with_probability_one_half_redrawing_nothing():
+    # Kim & Schuster's rule: given two items, {a}, {b} and {a, b} each come a third of the time
+    rng = random.Random(0)
+    draws = collections.Counter(frozenset(data._nonempty_subset(rng, {"cup", "key"}))
+                                for _ in range(6000))
+    assert set(draws) == {frozenset({"cup"}), frozenset({"key"}), frozenset({"cup", "key"})}
+    assert all(abs(count / 6000 - 1 / 3) < 0.03 for count in draws.values()), draws
+
+
 def test_advanced_generator_follows_the_rules():
     n_ops, letters, filled, targets = [], set(), [], []
     for prompt, _ in examples("advanced", 300):

@@ -461,7 +461,7 @@ def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad,
     assert set(metrics["eval_acc_by_depth"]) == {"4"}
     # Generation replaced by a writer of known answers (the walk by hand's) that uses all the
     # room it is given: right in prompts 0, 2, 4, flipped in 1 and 3, and in 5 the right digit
-    # but no "." after it: the answer accuracy is 3 / 6.
+    # first but no "." anywhere: the answer accuracy is 3 / 6.
     ids = task.token_ids
     written = iter(range(6))
     def write(model, prompts, room, use_cache=True):
@@ -471,8 +471,11 @@ def test_cycles_evaluate_scores_teacher_forced_and_generated_answers(scratchpad,
             words = [task.vocab[i] for i in prompt]
             right = expected_completion(words, "none", *task.sizes["test"])[0]
             answer = {"1": "0", "0": "1"}[right] if k in (1, 3) else right
-            end = [ids[answer], ids["."]] if k < 5 else [ids[answer]]
-            rows.append(prompt + ([ids["v0"]] * room + end)[-room:] if room > 0 else prompt)
+            if k < 5:
+                written_row = ([ids["v0"]] * room + [ids[answer], ids["."]])[-room:]
+            else:
+                written_row = ([ids[answer]] + [ids["v0"]] * room)[:room]
+            rows.append(prompt + written_row if room > 0 else prompt)
         return torch.tensor(rows)
     monkeypatch.setattr(task, "generate", write)
     assert task.evaluate(model, 6, 4, torch.Generator().manual_seed(0))["eval_answer_acc"] == 3 / 6
