@@ -203,6 +203,22 @@ def test_advanced_generator_follows_the_rules():
     assert 0.12 < n_ops.count(1) / len(n_ops) < 0.3  # log-uniform: P(1) = 0.2
 
 
+def test_advanced_operations_are_moves_three_times_in_four():
+    # Each draw is a move or a put/remove pair, a move with probability 3/4. Only draws made with
+    # 3 or more operations left are free: with one left a move is forced, and with two a pair
+    # ends the prompt. Those free draws must be moves 3/4 of the time.
+    moves = []
+    for prompt, _ in examples("advanced", 600):
+        operations = prompt.rstrip(".").split(". ")[1:]
+        k = 0
+        while k < len(operations):
+            is_move = operations[k].startswith("Move")
+            if len(operations) - k >= 3:
+                moves.append(is_move)
+            k += 1 if is_move else 2
+    assert len(moves) > 2500 and 0.72 < sum(moves) / len(moves) < 0.78, sum(moves) / len(moves)
+
+
 @pytest.mark.parametrize("version", ["default", "advanced"])
 def test_generator_answers_equal_the_simulator_and_tokens_round_trip(version):
     for prompt, answer in examples(version, 100 if version == "default" else 300):
@@ -556,6 +572,16 @@ def test_bad_sizes_fail_naming_the_flag(version, sizes, flag):
     with pytest.raises(ValueError, match=flag):
         get_task("boxes", boxes_version=version, cache_dir=None, **sizes)
     assert box_sizes(version) == data.PAPER_SIZES[version]  # left out: the paper's
+
+
+def test_sizes_at_the_edge_of_what_is_allowed_build():
+    # 2 boxes; the fewest objects: one more than the filled boxes (advanced), 3 per box (default)
+    assert box_sizes("advanced", n_boxes=2, n_filled=1, n_objects=2)["n_objects"] == 2
+    assert box_sizes("default", n_boxes=2, n_objects=6)["n_objects"] == 6
+    with pytest.raises(ValueError, match="--n_objects 5 must lie in 6"):
+        box_sizes("default", n_boxes=2, n_objects=5)
+    small = get_task("boxes", boxes_version="advanced", n_train=1, n_test=1, cache_dir=None, **SMALL)
+    assert [len(rows) for rows in small.rows.values()] == [1, 1]
 
 
 def test_bad_sizes_fail_at_the_start_of_train_py_in_one_line():
