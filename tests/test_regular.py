@@ -74,6 +74,23 @@ def test_length_options_move_the_ranges():
     assert task.test_lengths == range(101, 501)
 
 
+def test_the_smallest_ranges_allowed_build_and_sample():
+    task = get_task("parity", max_train_length=1, max_test_length=2, length_samples=1)
+    assert task.train_lengths == range(1, 2) and task.test_lengths == range(2, 3)
+    x, y = task.sample(3, seeded(), length=1)
+    assert x.shape == (3, 1) and torch.equal(y, task.solve(x))
+    assert task.example(seeded(), length=1)[0].shape == (1, 1)
+
+
+@pytest.mark.parametrize("length", [60, 61, 100])
+def test_describe_cuts_a_string_longer_than_60_to_its_first_and_last_28_symbols(length):
+    task = get_task("parity")
+    x, _ = task.sample(1, seeded(), length=length)
+    shown = task.describe(x[0]).splitlines()[0].split(": ")[1]
+    symbols = "".join(task.vocab[i] for i in x[0].tolist())
+    assert shown == (symbols if length <= 60 else symbols[:28] + "…" + symbols[-28:])
+
+
 @pytest.mark.parametrize("name, options, flag", [
     ("parity", dict(p_one=1.5), "--p_one"),
     ("parity", dict(p_one=0.0), "--p_one"),
