@@ -149,12 +149,27 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
     assert torch.equal(fresh, drawn) and n_prompt == 4 and torch.equal(task.solve(fresh), labels)
     for bad in ["1 2 3", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 x", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 ²",
                 "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 " + "9" * 23, "5 9 1 0 9 2 1 0 7 5 6 4 8 9 11 10",
-                "5 9 1 0 3 2 1 4 7 5 6 4 8 9 11 10"]:  # last two: a pointer out of the block before
+                "5 9 1 0 3 2 1 4 7 5 6 4 8 9 11 10", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 5",
+                "16 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"]:  # a pointer out of the block before (after,
+            # then before it); a value that is no token id (the vocabulary is 0..15)
         with pytest.raises(ValueError, match="--prompt"):
             task.example(None, prompt=bad)
     for prompt in [None, "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"]:  # a typed prompt is no way around it
         with pytest.raises(ValueError, match="--length"):
             task.example(None, prompt=prompt, length=30)
+
+
+def test_toy_describe_shows_every_block_its_truth_and_the_model_s_hits():
+    task = get_task("toy", n_blocks=3, block_len=2)
+    x = torch.tensor([5, 9, 1, 0, 3, 2])  # block 1 reads [9, 5]; block 2 reads block 1: [5, 9]
+    y = task.solve(x[None])[0]
+    predictions = y.clone()
+    predictions[4] = 0
+    assert task.describe(x, y, predictions).splitlines() == [
+        "block  0 values  : [5, 9]",
+        "block  1 pointers: [1, 0]  truth [9, 5]  model [9, 5] (2/2)",
+        "block  2 pointers: [3, 2]  truth [5, 9]  model [0, 9] (1/2)"]
+    assert task.describe(x, predictions=predictions).splitlines()[2].endswith("model [0, 9] (?/2)")
 
 
 @pytest.mark.parametrize("name, typed, flag", [("lego", dict(prompt="a = + 1 ,"), "--prompt"),
