@@ -55,6 +55,15 @@ def test_interface_and_vocabulary(name):
     assert "(right)" in task.describe(x[0], y[0], predictions=y[0])  # cycle navigation has a symbol "right"
 
 
+@pytest.mark.parametrize("name", ALL_TASKS)
+def test_every_symbol_and_every_class_occurs(name):
+    # a class no string can have, or a symbol never drawn, would pass the solver's check
+    task = get_task(name)
+    x, y = task.sample(512, seeded(1), length=task.train_lengths[-1])
+    assert set(x.unique().tolist()) == set(range(len(task.symbols)))
+    assert set(y[:, -1].unique().tolist()) == set(range(len(task.symbols), task.vocab_size))
+
+
 @pytest.mark.parametrize("name", ["parity", "d4", "modular_arithmetic"])
 def test_one_length_per_batch_drawn_from_the_training_lengths_reproducibly(name):
     task = get_task(name)
