@@ -264,7 +264,9 @@ def test_sample_scores_only_the_answer_and_matches_the_solver(version):
     t = task(version)
     x, y = t.sample(32, torch.Generator().manual_seed(0))
     assert x.shape == y.shape and x.size(0) == 32 and x.size(1) <= t.block_size
-    assert t.block_size % 64 == 0
+    longest = max(int((rows != PAD).sum(1).max()) for rows in t.rows.values())
+    assert t.block_size % 64 == 0 and t.block_size - 64 < longest <= t.block_size  # rounded up
+    assert all((rows == EOS).any(1).all() for rows in t.rows.values())  # no example was cut
     assert x.dtype == y.dtype == torch.long and t.vocab_size == len(VOCAB) and x.max() < t.vocab_size
     positions = torch.arange(x.size(1))
     sep = (x == SEP).int().argmax(1, keepdim=True)
@@ -315,6 +317,9 @@ class SimulatorModel:
         return True
 
     def generate(self, prompts, max_new_tokens, temperature, use_cache, stop_token, prompt_lengths):
+        # Exact match scores greedy answers, written until <eos> or the end of the block.
+        assert temperature == 0 and stop_token == EOS and use_cache
+        assert int(prompt_lengths.max()) + max_new_tokens == self.config.block_size
         rows = []
         for prompt, length in zip(prompts.tolist(), prompt_lengths.tolist()):
             answer = render_answer(simulate(decode(prompt[1:length - 1]))[0], with_empty=False)
@@ -582,6 +587,9 @@ def test_sizes_at_the_edge_of_what_is_allowed_build():
         box_sizes("default", n_boxes=2, n_objects=5)
     small = get_task("boxes", boxes_version="advanced", n_train=1, n_test=1, cache_dir=None, **SMALL)
     assert [len(rows) for rows in small.rows.values()] == [1, 1]
+    for n_train, n_test in ((0, 1), (1, 0)):
+        with pytest.raises(ValueError, match=f"--n_train {n_train} and --n_test {n_test} must be"):
+            get_task("boxes", n_train=n_train, n_test=n_test, cache_dir=None)
 
 
 def test_bad_sizes_fail_at_the_start_of_train_py_in_one_line():
