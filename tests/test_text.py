@@ -345,3 +345,6 @@ def test_a_validation_part_of_exactly_context_tokens_is_refused_by_name(tmp_path
     path.write_bytes(b"a" * 100)  # its last tenth: 10 bytes
     with pytest.raises(ValueError, match="--context"):
         get_task("text", data=str(path), context=10)
+    task = get_task("text", data=str(path), context=9)  # one window of 9 + 1: it builds
+    x, y = task.sample(2, torch.Generator().manual_seed(0), split="test")
+    assert x.shape == y.shape == (2, 9)
