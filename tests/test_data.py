@@ -127,13 +127,13 @@ def test_toy_sizes_out_of_range_name_their_flag(options, flag):
 
 
 def test_a_flag_s_help_states_its_task_s_own_default():
-    # "(16)" at the end of a flag's help is a promise about the constructor's default
+    # "(16)" at the end of a flag's help is a promise about the task constructor's default
     stated = 0
     for name in data.TASKS:
         task_class = data.task_class(name)
         defaults = inspect.signature(task_class.__init__).parameters
         for flag, spec in task_class.flags.items():
-            said = re.search(r"\((\w+)\)$", spec.get("help", ""))
+            said = re.search(r"\(([\w.]+)(;[^()]*)?\)$", spec.get("help", ""))  # "(0.5; why)" too
             if said and defaults[flag].default is not None:
                 assert str(defaults[flag].default) == said.group(1), (name, flag)
                 stated += 1

@@ -88,6 +88,7 @@ def test_the_worked_example_of_the_docstring(tmp_path):
     assert x.tolist() == [[84, 111, 109, 39, 115, 32, 99, 97]]
     assert y.tolist() == [[111, 109, 39, 115, 32, 99, 97, 116]]
     assert task.decode(x[0]) == "Tom's ca" and task.decode([0xE2, 0x9C]) == "\ufffd"
+    assert torch.equal(task.solve(x), y)  # a window at the very start of the file is found
 
 
 def test_gpt2_token_files_are_read_as_uint16(tmp_path):
@@ -204,6 +205,16 @@ def test_describe_shows_the_prompt_its_continuation_and_the_next_token_guesses(c
     text = task.describe(torch.cat([x[0], task.encode(" sat")]), predictions=task.encode("he cat sat"))
     assert text == ("--- prompt (7 tokens) ---\nthe cat\n--- continuation (4 tokens) ---\n sat\n"
                     "--- the model's next-token guesses ---\nhe cat sat")
+    assert task.describe(x[0]) == "--- prompt (7 tokens) ---\nthe cat"  # nothing written yet
+
+
+@pytest.mark.parametrize("context, prompt_length", [(16, 4), (9, 2), (3, 1)])
+def test_a_drawn_prompt_is_the_first_quarter_of_a_validation_window(corpus, context, prompt_length):
+    task = get_task("text", data=str(corpus), context=context)
+    x, n = task.example(torch.Generator().manual_seed(0))
+    window, _ = task.sample(1, torch.Generator().manual_seed(0), split="test")
+    assert x.shape == (1, prompt_length) and n == prompt_length  # at least one token
+    assert torch.equal(x[0], window[0, :prompt_length])
 
 
 def test_sample_says_a_one_token_context_cannot_continue_any_prompt(corpus, tmp_path, capsys):
