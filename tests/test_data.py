@@ -14,7 +14,7 @@ import data
 
 from conftest import ROOT, docstring_lines, run_in_process, time_limit
 from data import EOS, Cycles, decode, encode, get_task, parse_answer, render_answer
-from model import GPTConfig
+from model import GPT, GPTConfig, generate_inductive
 
 
 @pytest.mark.parametrize("options", [{}, dict(n_blocks=4, block_len=2), dict(n_blocks=9, block_len=5)])
@@ -170,6 +170,23 @@ def test_toy_describe_shows_every_block_its_truth_and_the_model_s_hits():
         "block  1 pointers: [1, 0]  truth [9, 5]  model [9, 5] (2/2)",
         "block  2 pointers: [3, 2]  truth [5, 9]  model [0, 9] (1/2)"]
     assert task.describe(x, predictions=predictions).splitlines()[2].endswith("model [0, 9] (?/2)")
+
+
+@pytest.mark.parametrize("scratchpad", ["none", "inductive"])
+def test_a_task_s_answers_are_greedy(scratchpad):
+    # sample.py and evaluate() write answers with task.generate: the argmax at every step
+    task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=task.block_size, vocab_size=task.vocab_size, n_layer=1,
+                          n_embd=16, n_head=2, attn="standard"))
+    x, _ = task.sample(4, torch.Generator().manual_seed(0), split="test")
+    prompts = torch.tensor(task.prompts(x))
+    room = task.block_size - prompts.size(1)
+    greedy = (generate_inductive(model, prompts, room, data.CYCLE_START, data.CYCLE_SEP,
+                                 temperature=0, stop_token=task.stop_token)
+              if scratchpad == "inductive" else
+              model.generate(prompts, room, temperature=0, stop_token=task.stop_token))
+    assert torch.equal(task.generate(model, prompts, room), greedy)
 
 
 @pytest.mark.parametrize("name, typed, flag", [("lego", dict(prompt="a = + 1 ,"), "--prompt"),
