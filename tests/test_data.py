@@ -67,7 +67,10 @@ def test_data_py_command_line(tmp_path):
     assert shown.returncode == 0 and shown.stdout.startswith("sentence: [CLS]"), shown.stderr
     assert run_in_process(data.main, "data.py", "lego", "--seed", "2").stdout == shown.stdout
     docstrings = run_in_process(data.main, "data.py").stdout.splitlines()  # no task: the docstrings' worked examples
-    assert docstrings[0] == "block  0 values  : [9, 4]"
+    assert docstrings[:4] == ["block  0 values  : [9, 4]",  # PointerChains' table, row by row
+                              "block  1 pointers: [1, 0]  truth [4, 9]",
+                              "block  2 pointers: [3, 2]  truth [9, 4]",
+                              "block  3 pointers: [4, 5]  truth [9, 4]"]
     rows = ("prompt", "none", "full", "inductive")  # Cycles' example: a prompt, then each format
     shown = dict(line.split(None, 1) for line in docstring_lines(Cycles)
                  if line.startswith(tuple(f"    {row} " for row in rows)))

@@ -208,6 +208,12 @@ def test_describe_shows_the_prompt_its_continuation_and_the_next_token_guesses(c
     assert task.describe(x[0]) == "--- prompt (7 tokens) ---\nthe cat"  # nothing written yet
 
 
+def test_describe_before_any_prompt_shows_the_whole_row_as_the_prompt(corpus):
+    task = get_task("text", data=str(corpus), context=16)
+    x, _ = task.sample(1, torch.Generator().manual_seed(0))
+    assert task.describe(x[0]) == f"--- prompt (16 tokens) ---\n{task.decode(x[0])}"
+
+
 @pytest.mark.parametrize("context, prompt_length", [(16, 4), (9, 2), (3, 1)])
 def test_a_drawn_prompt_is_the_first_quarter_of_a_validation_window(corpus, context, prompt_length):
     task = get_task("text", data=str(corpus), context=context)
