@@ -71,6 +71,7 @@ def test_data_py_command_line(tmp_path):
                               "block  1 pointers: [1, 0]  truth [4, 9]",
                               "block  2 pointers: [3, 2]  truth [9, 4]",
                               "block  3 pointers: [4, 5]  truth [9, 4]"]
+    assert not docstrings[4].startswith("block")  # four blocks, no more
     rows = ("prompt", "none", "full", "inductive")  # Cycles' example: a prompt, then each format
     shown = dict(line.split(None, 1) for line in docstring_lines(Cycles)
                  if line.startswith(tuple(f"    {row} " for row in rows)))

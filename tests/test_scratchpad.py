@@ -439,6 +439,8 @@ def test_cycles_describe_shows_a_written_answer_and_teacher_forced_predictions(s
     n = int((y[0] != -1).sum())  # the scored tokens: the inductive copies are not among them
     assert task.describe(x[0], y[0], predictions=y[0]).endswith(
         f"model : {truth}  ({n}/{n} tokens, exact match)")
+    # without labels, the solver's: the same lines
+    assert task.describe(x[0], predictions=y[0]) == task.describe(x[0], y[0], predictions=y[0])
 
 
 def test_cycles_layout_is_for_the_inductive_format_only():
