@@ -600,6 +600,24 @@ def test_bad_sizes_fail_at_the_start_of_train_py_in_one_line():
     assert result.stderr.count("\n") == 1 and "--n_filled 4" in result.stderr
 
 
+class OpensAFileWhenUnpickled:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_dataset_cache_unpickles_nothing_but_tensors(tmp_path):
+    # A cache file could come from anywhere: reading it must not run code a pickle names.
+    marker, cache = tmp_path / "ran", tmp_path / "boxes.pt"
+    rows = torch.zeros(2, 8, dtype=torch.uint8)
+    torch.save({"train": rows, "test": rows, "extra": OpensAFileWhenUnpickled(str(marker))}, cache)
+    with pytest.raises(ValueError, match="is not a boxes dataset"):
+        data._read_dataset(str(cache), 0.0)
+    assert not marker.exists()
+
+
 def test_exact_match_is_word_for_word_case_included():
     task = get_task("boxes", boxes_version="default", n_train=20, n_test=5, data_seed=1, cache_dir=None)
     prompt, answer = task.prompt_and_answer(0)
