@@ -44,6 +44,17 @@ def docstring_lines(obj):
     return inspect.cleandoc(obj.__doc__).splitlines()
 
 
+class OpensAFileWhenUnpickled:
+    """Put in a pickle, unpickling it opens (creates) path: how a file from elsewhere could run
+    code. Loading with weights_only=True must refuse it before that."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
 # For tests that send a process a POSIX signal (SIGINT as a Ctrl-C, SIGKILL as kill -9): Windows
 # has no such delivery (its os.kill with SIGINT ends the process outright, the test runner with it).
 needs_posix_signals = pytest.mark.skipif(os.name != "posix",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import data
-from conftest import ROOT
+from conftest import ROOT, OpensAFileWhenUnpickled
 from data import (BOS, EOS, OBJECTS, PAD, SEP, TOKEN_IDS, VOCAB, box_sizes, decode, encode, generate_example,
                   get_task, parse_answer, render_answer, signature_split, simulate)
 
@@ -598,14 +598,6 @@ def test_bad_sizes_fail_at_the_start_of_train_py_in_one_line():
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "--n_filled 4" in result.stderr
-
-
-class OpensAFileWhenUnpickled:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return open, (self.path, "w")
 
 
 def test_a_dataset_cache_unpickles_nothing_but_tensors(tmp_path):

@@ -15,7 +15,7 @@ import torch
 import sample
 import train
 from attention import ATTENTIONS
-from conftest import ROOT, needs_posix_signals, run_in_process
+from conftest import ROOT, OpensAFileWhenUnpickled, needs_posix_signals, run_in_process
 from data import TASKS, PointerChains, get_task
 
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
@@ -1194,6 +1194,16 @@ def test_an_out_dir_that_cannot_hold_a_run_is_named_at_start(tmp_path, capsys):
             train.main(TINY + ["--out_dir", str(out_dir)])
         error = capsys.readouterr().err.strip().splitlines()
         assert len(error) == 1 and "--out_dir" in error[0] and "another directory" in error[0]
+
+
+def test_a_checkpoint_unpickles_nothing_but_tensors_numbers_and_strings(tmp_path):
+    marker = tmp_path / "ran"
+    parts = {part: {} for part in ("model", "config", "args", "optimizer", "metrics", "rng")}
+    torch.save({**parts, "step": 1, "extra": OpensAFileWhenUnpickled(str(marker))},
+               tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="is not a checkpoint of this train.py"):
+        train.load_checkpoint(str(tmp_path))
+    assert not marker.exists()
 
 
 def test_a_damaged_boxes_cache_is_named_with_what_to_do(tmp_path, monkeypatch, capsys):
