@@ -2,6 +2,7 @@ import contextlib
 import inspect
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,13 @@ def docstring_lines(obj):
     when it compiles a docstring and older versions keep it, so a test that reads a worked example
     out of a docstring reads the same lines on every version."""
     return inspect.cleandoc(obj.__doc__).splitlines()
+
+
+def assert_tokens_per_second_possible(out, wall_seconds):
+    """sample.py's speed line, "N token(s) ...: R tokens/s ...", against the wall time of the call
+    that printed it: the timed part lies inside that call, so R >= N / wall_seconds."""
+    n, rate = re.search(r"^(\d+) tokens? .*: (\d+) tokens/s", out, re.MULTILINE).groups()
+    assert int(rate) >= int(n) / wall_seconds - 0.5, (out, wall_seconds)
 
 
 class OpensAFileWhenUnpickled:

@@ -2,6 +2,7 @@
 combine (train.py's start-up checks accept them). Running them all would take hours; a renamed
 flag or a combination that became an error shows up here in seconds."""
 
+import importlib
 import os
 import re
 import shlex
@@ -51,6 +52,8 @@ def test_readme_flags_of_sample_and_bench_exist(script, section):
     helped = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"],
                             capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and helped.stdout.startswith("usage:"), helped.stderr
+    summary = importlib.import_module(script.removesuffix(".py")).__doc__.split("\n\n")[0]
+    assert " ".join(summary.split()) in " ".join(helped.stdout.split())  # its docstring's start
     flags = {word for argv in readme_commands(script) for word in argv if word.startswith("--")}
     if section:
         with open(os.path.join(ROOT, "README.md")) as f:

@@ -3,6 +3,7 @@
 
 import math
 import random
+import time
 import types
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 import data
 import sample
 import train
+from conftest import assert_tokens_per_second_possible
 from data import Text, get_task, python_docs_corpus
 from model import GPT, GPTConfig
 
@@ -177,13 +179,18 @@ def test_a_tiny_run_writes_the_same_text_with_and_without_the_cache(corpus, tmp_
     capsys.readouterr()
     texts = []
     for extra in ([], ["--no-cache"]):
+        started = time.perf_counter()
         sample.main(["--out_dir", str(tmp_path), "--prompt", "the cat", "--device", "cpu"] + extra)
         out = capsys.readouterr().out
+        assert_tokens_per_second_possible(out, time.perf_counter() - started)
         assert "--- prompt (7 tokens) ---\nthe cat\n--- continuation (9 tokens) ---" in out
+        assert "\n9 tokens written after the prompt" in out
         texts.append(out.split("--- continuation (9 tokens) ---\n")[1].splitlines()[0])
     assert texts[0] == texts[1]
     sample.main(["--out_dir", str(tmp_path), "--device", "cpu"])  # a validation window's start
     assert "--- prompt (4 tokens) ---" in capsys.readouterr().out
+    sample.main(["--out_dir", str(tmp_path), "--prompt", "x" * 15, "--device", "cpu"])  # room: 1
+    assert "\n1 token written after the prompt" in capsys.readouterr().out
     for prompt, why in (("x" * 16, "16 tokens leave no room"), ("x" * 20, "learned positions")):
         with pytest.raises(SystemExit):  # one line naming the flag typed, before any output
             sample.main(["--out_dir", str(tmp_path), "--prompt", prompt, "--device", "cpu"])
@@ -233,6 +240,14 @@ def test_sample_says_a_one_token_context_cannot_continue_any_prompt(corpus, tmp_
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "shorten" not in err, err
         assert err.strip().endswith("cannot continue any prompt: it reads one token at most"), err
+        assert typed or "the run's test example: 1 token leaves no room" in err
+    train.main(TINY + ["--data", str(corpus), "--context", "2", "--max_iters", "1",
+                       "--eval_interval", "1", "--out_dir", str(tmp_path / "two")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # two tokens can continue a prompt of one
+        sample.main(["--out_dir", str(tmp_path / "two"), "--device", "cpu", "--prompt", "ab"])
+    assert capsys.readouterr().err.strip().endswith("2 tokens leave no room to answer within "
+                                                     "block_size 2; shorten it")
 
 
 def test_sample_says_when_the_runs_text_is_gone(corpus, tmp_path, capsys):

@@ -15,7 +15,8 @@ import torch
 import sample
 import train
 from attention import ATTENTIONS
-from conftest import ROOT, OpensAFileWhenUnpickled, needs_posix_signals, run_in_process
+from conftest import (ROOT, OpensAFileWhenUnpickled, assert_tokens_per_second_possible,
+                      needs_posix_signals, run_in_process)
 from data import TASKS, PointerChains, get_task
 
 TINY = ["--task", "toy", "--n_blocks", "4", "--block_len", "4", "--n_embd", "32", "--n_head", "2",
@@ -244,7 +245,10 @@ def test_bad_flags_fail_at_start_with_one_line_naming_the_flag(flags, named, cap
 @pytest.mark.parametrize("model", [[], ["--share_weights"], ["--attn", "lego_v0"]])  # the last two
 def test_sample_script_runs_a_checkpoint_with_and_without_cache(tmp_path, model):  # cannot cache
     train.main(TINY + model + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    started = time.perf_counter()
     cached = run_sample("--out_dir", str(tmp_path), "--seed", "3")
+    if not model:
+        assert_tokens_per_second_possible(cached.stdout, time.perf_counter() - started)
     uncached = run_sample("--out_dir", str(tmp_path), "--seed", "3", "--no-cache")
     assert cached.returncode == 0 and uncached.returncode == 0, cached.stderr + uncached.stderr
     # The cache where the model keeps one; LEGO attention and adaptive depth keep none, and read
