@@ -729,6 +729,32 @@ def test_a_run_too_large_for_memory_fails_at_start_naming_its_length_flags(tmp_p
     assert "--context 64)" in error and "start a new --out_dir with a smaller model" in error
 
 
+def test_seed_device_and_memory_helpers_at_their_edges(monkeypatch):
+    for seed in (0, 2**63 - 1):  # the ends of [0, 2^63), the range its message gives
+        train.check_seed(seed)
+    for bad in (-1, 2**63):
+        with pytest.raises(ValueError, match=f"--seed {bad} must lie in"):
+            train.check_seed(bad)
+    for cuda in (False, True):  # a machine without a GPU, then one with CUDA
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+        assert train.pick_device("auto") == ("cuda" if cuda else "cpu")
+        assert train.pick_device("cpu") == "cpu"
+        for name in ("cuda", "mps")[cuda:]:
+            with pytest.raises(ValueError, match=f"--device {name}: not available here"):
+                train.pick_device(name)
+    assert train.pick_device("cuda") == "cuda"
+    synchronized = []
+    for device in ("cpu", "cuda", "mps"):
+        monkeypatch.setattr(getattr(torch, device), "synchronize",
+                            lambda d=device: synchronized.append(d))
+    for device in ("cpu", "cuda", "mps"):
+        train.synchronize(device)
+    assert synchronized == ["cuda", "mps"]  # a CPU runs each op to its end: nothing to wait for
+    assert train.out_of_memory(RuntimeError("MPS backend out of memory"))
+    assert not train.out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory."), RuntimeError(
     "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")])
 def test_running_out_of_memory_in_training_is_one_line_naming_what_was_kept(tmp_path, monkeypatch, error):
