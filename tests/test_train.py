@@ -729,6 +729,18 @@ def test_a_run_too_large_for_memory_fails_at_start_naming_its_length_flags(tmp_p
     assert "--context 64)" in error and "start a new --out_dir with a smaller model" in error
 
 
+def test_numbers_at_the_edge_of_what_is_allowed_pass(monkeypatch):
+    args, *_ = train.parse_args(["--max_iters", "1", "--eval_interval", "1", "--batch_size", "2",
+                                 "--micro_batches", "2", "--eval_samples", "1", "--lr_decay_iters",
+                                 "1", "--warmup_iters", "0", "--stop_at_acc", "1", "--device",
+                                 "cpu"])
+    assert args.dtype == "float32"  # --dtype auto, on a CPU
+    args.block_size, args.lr, args.batch_size, args.micro_batches = 1, 3.4028234663852886e38, 1, 1
+    train.check_numbers(args)  # float32's largest rate is still finite in the optimizer
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert train.parse_args(["--device", "cpu"])[0].dtype == "float32"  # bfloat16: CUDA's only
+
+
 def test_seed_device_and_memory_helpers_at_their_edges(monkeypatch):
     for seed in (0, 2**63 - 1):  # the ends of [0, 2^63), the range its message gives
         train.check_seed(seed)
