@@ -127,7 +127,12 @@ def test_unknown_task_names_the_flag():
 def test_toy_sizes_out_of_range_name_their_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
         get_task("toy", **options)
-    get_task("toy", n_blocks=2, block_len=1)  # the smallest that is allowed builds
+
+
+def test_toy_smallest_sizes_allowed_build():
+    task = get_task("toy", n_blocks=2, block_len=1)
+    x, y = task.sample(3, torch.Generator().manual_seed(0))
+    assert x.shape == (3, 2) and torch.equal(y, task.solve(x))
 
 
 def test_a_flag_s_help_states_its_task_s_own_default():
@@ -151,11 +156,12 @@ def test_toy_example_reads_a_typed_prompt_and_names_what_is_wrong():
     fresh, n_prompt = task.example(torch.Generator().manual_seed(0))  # a test sequence, drawn
     drawn, labels = task.sample(1, torch.Generator().manual_seed(0), split="test")
     assert torch.equal(fresh, drawn) and n_prompt == 4 and torch.equal(task.solve(fresh), labels)
+    # Too short; not token ids (three ways); a pointer past the block before (twice), then below
+    # it; a value that is no token id (the vocabulary is 0..15).
     for bad in ["1 2 3", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 x", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 ²",
                 "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 " + "9" * 23, "5 9 1 0 9 2 1 0 7 5 6 4 8 9 11 10",
                 "5 9 1 0 3 2 1 4 7 5 6 4 8 9 11 10", "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 5",
-                "16 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"]:  # a pointer out of the block before (after,
-            # then before it); a value that is no token id (the vocabulary is 0..15)
+                "16 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"]:
         with pytest.raises(ValueError, match="--prompt"):
             task.example(None, prompt=bad)
     for prompt in [None, "5 9 1 0 3 2 1 0 7 5 6 4 8 9 11 10"]:  # a typed prompt is no way around it
