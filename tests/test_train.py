@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -178,7 +179,7 @@ BAD_FLAGS = [
     (["--task", "parity", "--n_blocks", "4"], "--n_blocks"),
     (["--attn", "dilated", "--bidirectional"], "--bidirectional"),
     (["--task", "boxes", "--bidirectional"], "--bidirectional"),
-    (["--task", "lego"], "--bidirectional"),  # its labels sit before what decides them
+    (["--task", "lego"], "--bidirectional is missing: task lego"),  # labels before their causes
     (["--task", "boxes", "--share_weights"], "--n_layer auto"),  # adaptive depth, written answer
     (["--task", "cycles", "--share_weights", "--n_layer", "auto"], "--n_layer auto"),
     (["--share_weights", "--n_layer", "4", "--min_train_layers", "6"], "--min_train_layers"),
@@ -222,6 +223,22 @@ BAD_FLAGS = [
     (["--stop_at_acc", "always"], "--stop_at_acc"),
     (["--out_dir", "x" * 300], "--out_dir"),
 ]
+
+
+def test_help_opens_with_the_docstring_and_gives_each_default_once():
+    parser = train.build_parser()
+    assert parser.description == train.__doc__.strip().split("\n")[0]
+    # Each flag's entry: its line of options (two spaces in), then its help, indented further.
+    entries = {}
+    for line in parser.format_help().split("options:")[1].splitlines()[1:]:
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = ""
+        entries[flag] += " " + line.strip()
+    for action in parser._actions[1:]:  # after -h
+        said = re.findall(r"\(default: ([^)]*)\)", entries[action.option_strings[0]])
+        assert said == ([] if action.default is None else [str(action.default)]), action.dest
+    assert parser.parse_args([]).progress  # a bar unless --no-progress
 
 
 def test_the_script_prints_one_line_for_bad_input():
@@ -703,6 +720,7 @@ def test_training_bytes_bounds_what_autograd_keeps_from_below(attn):
     model_bytes, bound = train.training_bytes(config, 48, 5, "float32")
     assert model_bytes == 16 * model.num_params()
     assert bound <= kept
+    assert train.training_bytes(config, 48, 5, "bfloat16") == (model_bytes, bound // 2)
     if attn == "standard":  # and close to it, so that the check refuses what cannot fit
         assert kept < 1.1 * bound
 
@@ -727,6 +745,43 @@ def test_a_run_too_large_for_memory_fails_at_start_naming_its_length_flags(tmp_p
     error = one_error_line(capsys, ["--resume", "--out_dir", str(tmp_path / "small"),
                                     "--batch_size", "100000", "--max_iters", "4"])
     assert "--context 64)" in error and "start a new --out_dir with a smaller model" in error
+
+
+def test_check_memory_refuses_past_half_for_the_model_and_three_quarters_in_all(tmp_path, monkeypatch):
+    # The bounds themselves, on a machine of 1 GiB: equal passes, one byte more is refused.
+    args, task, config, _ = train.parse_args(TINY + ["--batch_size", "5", "--micro_batches", "2",
+                                                     "--out_dir", str(tmp_path)])
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**18}
+    monkeypatch.setattr(train.os, "sysconf", lambda name: pages[name])
+    asked, gib = [], 2**30
+    for model_bytes, activation_bytes, refusal in [
+            (gib // 2, 0, None), (gib // 2 + 1, 0, "more than half"),
+            (gib // 2, gib // 4, None), (gib // 2, gib // 4 + 1, "more than three quarters")]:
+        monkeypatch.setattr(train, "training_bytes", lambda *given, sizes=(model_bytes, activation_bytes):
+                            asked.append(given[1:]) or sizes)
+        if refusal is None:
+            train.check_memory(args, task, config)
+        else:
+            with pytest.raises(ValueError, match=refusal):
+                train.check_memory(args, task, config)
+    assert asked[0] == (task.train_length, 3, "float32")  # a part of 5 rows in 2 holds 3
+    monkeypatch.setattr(train, "training_bytes", lambda *given: (gib, 0))
+    with pytest.raises(ValueError) as refused:
+        train.check_memory(args, task, config)
+    assert str(refused.value).endswith("lower --n_embd or --n_layer, or the task's sizes (its "
+                                       f"{config.block_size}-token sequences, its vocabulary of "
+                                       f"{config.vocab_size})")
+    args.block_size = 64  # typed: the model's length is the flag's, not the task's
+    with pytest.raises(ValueError) as refused:
+        train.check_memory(args, task, config)
+    assert str(refused.value).endswith("lower --block_size, --n_embd or --n_layer")
+
+
+def test_stochastic_depth_trains_in_one_part(tmp_path):
+    # --micro_batches 1 (the default) is one part: one depth is drawn for the step.
+    args, _, config, _ = train.parse_args(["--task", "parity", "--share_weights", "--n_layer", "4",
+                                           "--min_train_layers", "2", "--out_dir", str(tmp_path)])
+    assert args.micro_batches == 1 and config.min_train_layers == 2
 
 
 def test_numbers_at_the_edge_of_what_is_allowed_pass(monkeypatch):
@@ -904,6 +959,7 @@ def test_resume_takes_a_gamma_that_the_model_does_not_use(tmp_path, capsys):
     (["--n_layer", "auto"], "(--n_layer)"),           # not the norm and adaptive depth it implies
     (["--n_layer", "auto", "--norm", "post"], "(--n_layer, --norm)"),
     (["--n_blocks", "5"], "(--n_blocks)"),            # the task's flag, not block_size
+    (["--n_blocks", "5", "--n_embd", "48"], "(--n_blocks, --n_embd)"),  # each behind its field
 ])
 def test_resume_names_the_typed_flags_that_change_the_model(tmp_path, capsys, typed, named):
     flags = TINY + ["--attn", "standard", "--share_weights", "--n_layer", "2", "--max_iters", "2",
@@ -1342,6 +1398,20 @@ def test_init_from_a_missing_nested_path_tries_no_download(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         train.parse_args(TINY + ["--init_from", "runs/old/run1"])
     assert "no ckpt.pt there" in capsys.readouterr().err
+
+
+def test_init_from_a_name_with_one_slash_is_a_hub_model(tmp_path, monkeypatch, capsys):
+    # "org/name" that is no directory here is what the Hugging Face hub calls a model.
+    asked = []
+    def offline(name):
+        asked.append(name)
+        raise OSError("offline")
+    monkeypatch.setattr(train.GPT, "from_pretrained", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        train.parse_args(TINY + ["--init_from", "openai-community/gpt2"])
+    assert asked == ["openai-community/gpt2"]
+    assert "not a run directory, nor a GPT-2 that transformers can load (offline)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", [["--lr", "1e-3", "--min_lr", "1e-3"],
