@@ -852,6 +852,11 @@ def test_running_out_of_memory_in_training_is_one_line_naming_what_was_kept(tmp_
     message = str(stopped.value.code)
     assert "ran out of memory evaluating whole batches of --batch_size 8" in message
     assert "ckpt.pt holds step 3: add --resume and a lower --batch_size" in message
+    calls.clear()
+    monkeypatch.setattr(train.GPT, "forward", runs_out_at_step_5)
+    with pytest.raises(SystemExit) as stopped:  # before the first checkpoint
+        train.main(TINY + ["--max_iters", "6", "--out_dir", str(tmp_path / "first")])
+    assert str(stopped.value.code).endswith("; nothing was saved")
     monkeypatch.setattr(train.GPT, "forward", lambda *args, **kwargs: 1 / 0)  # other errors: as they are
     with pytest.raises(ZeroDivisionError):
         train.main(TINY + ["--max_iters", "6", "--out_dir", str(tmp_path / "other")])
@@ -1082,6 +1087,23 @@ def test_out_dir_and_init_from_expand_a_leading_tilde(tmp_path, monkeypatch):
     assert args.init_from == str(tmp_path / "a") and args.out_dir == str(tmp_path / "b")
 
 
+def test_deferring_a_ctrl_c_puts_back_the_handler_it_found():
+    def ours(*_):
+        pass
+    found = signal.signal(signal.SIGINT, ours)
+    try:
+        with train.interrupts_deferred():
+            assert signal.getsignal(signal.SIGINT) is not ours
+        assert signal.getsignal(signal.SIGINT) is ours
+    finally:
+        signal.signal(signal.SIGINT, found)
+
+
+def test_a_checkpoint_with_just_the_parts_asked_for_loads(tmp_path):
+    torch.save({"model": {}, "config": {}, "args": {}, "step": 0}, tmp_path / "ckpt.pt")
+    assert train.load_checkpoint(str(tmp_path), needs=())["step"] == 0
+
+
 @needs_posix_signals
 def test_a_ctrl_c_while_a_checkpoint_is_saved_takes_effect_after_it(tmp_path, monkeypatch):
     save = torch.save
@@ -1214,6 +1236,36 @@ def test_resuming_a_mimicking_run_does_not_mimic_again(tmp_path, capsys):
     run = train.main(["--resume", "--max_iters", "6", "--out_dir", str(tmp_path), "--no-progress"])
     assert "mimicking:" not in capsys.readouterr().out
     assert ["mimic_loss" in m for m in run["metrics"]] == [True, False, False]  # the first record
+
+
+def test_mimicking_reads_the_training_stream_and_records_its_first_and_last_loss(tmp_path, capsys,
+                                                                               monkeypatch):
+    real_mimic, batches_seen, losses = train.mimic, [], []
+    def recorded(model, batches, *rest):
+        batches_seen.extend(batches)
+        losses.extend(real_mimic(model, iter(batches_seen), *rest))
+        return losses
+    monkeypatch.setattr(train, "mimic", recorded)
+    flags = ["--task", "lego", "--bidirectional", "--n_vars", "4", "--n_embd", "16", "--n_head",
+             "2", "--batch_size", "4", "--eval_samples", "8", "--mimic_iters", "3", "--max_iters",
+             "2", "--eval_interval", "2", "--no-progress", "--device", "cpu", "--seed", "7"]
+    run = train.main(flags + ["--out_dir", str(tmp_path)])
+    assert capsys.readouterr().err == ""  # --no-progress: no bar while mimicking either
+    task, stream = get_task("lego", n_vars=4), torch.Generator().manual_seed(7)  # --seed's
+    assert all(torch.equal(batch, task.sample(4, stream)[0]) for batch in batches_seen)
+    assert len(losses) == 3 and run["metrics"][0]["mimic_loss"] == [losses[0], losses[-1]]
+
+
+def test_a_float32_run_computes_in_float32(tmp_path, monkeypatch):
+    # --dtype float32 (auto, on a CPU) runs without autocast: logits in float32 throughout.
+    forward, dtypes = train.GPT.forward, set()
+    def recorded(model, *args, **kwargs):
+        logits, loss = forward(model, *args, **kwargs)
+        dtypes.add(logits.dtype)
+        return logits, loss
+    monkeypatch.setattr(train.GPT, "forward", recorded)
+    train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    assert dtypes == {torch.float32}
 
 
 @needs_posix_signals
