@@ -1,8 +1,10 @@
 """The lessons: every notebook runs top to bottom at the smoke scale (tiny runs, seconds on a
 CPU), and their helper module, lessons/common.py, trains many runs as one would one by one."""
 
+import collections
 import concurrent.futures
 import glob
+import itertools
 import json
 import multiprocessing
 import os
@@ -211,6 +213,35 @@ def test_a_saved_run_with_other_settings_is_refused_not_taken(tmp_path):
         common.train_many([TINY + out, TINY + out])
     with pytest.raises(ValueError, match="more than one run writes to"):  # one folder, two names
         common.train_many([TINY + out, TINY + [out[0], out[1] + "/"]])
+
+
+@pytest.mark.parametrize("reuse, reused", [(None, False), ("0", False), ("1", True)])
+def test_saved_runs_are_taken_only_under_nanochacal_reuse_1(reuse, reused):
+    # A lesson retrains every run unless the reader asks, with NANOCHACAL_REUSE=1, to take the
+    # runs saved in out/ as they are; its first line says which.
+    env = {k: v for k, v in os.environ.items() if k != "NANOCHACAL_REUSE"}
+    env.update({"NANOCHACAL_REUSE": reuse} if reuse is not None else {})
+    said = subprocess.run([sys.executable, "-c", "import common; print(common.REUSE, common.describe_setup())"],
+                          cwd=LESSONS, env=env, capture_output=True, text=True, check=True).stdout
+    assert said.startswith(f"{reused} scale ") and ("reusing saved runs" in said) == reused
+
+
+def test_blind_guess_is_the_expected_share_of_block_0_s_most_repeated_value():
+    # Every label is the value at some position of block 0, so betting on block 0's most
+    # repeated value scores its count / block_len. Its expectation, exactly, over every block 0
+    # of 3 values drawn from 6 (2 blocks of 3: a vocabulary of 6 positions):
+    exact = sum(max(collections.Counter(block).values())
+                for block in itertools.product(range(6), repeat=3)) / (6**3 * 3)
+    assert exact == pytest.approx(0.4907, abs=1e-4)
+    measured = common.blind_guess({"task": "toy", "n_blocks": 2, "block_len": 3})  # 4096 samples
+    assert measured == pytest.approx(exact, abs=0.015)  # 5 standard errors
+
+
+def test_trained_model_is_the_run_s_saved_model_ready_to_read(tmp_path):
+    summary = train.main(TINY + ["--max_iters", "2", "--eval_interval", "2", "--out_dir", str(tmp_path)])
+    model = common.trained_model(summary)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]
+    assert not model.training and all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
 
 
 def test_steps_to_is_the_first_evaluation_at_or_above_the_threshold():
