@@ -67,7 +67,7 @@ def test_the_script_feeds_each_table_its_runs_and_targets(monkeypatch, capsys):
     monkeypatch.setattr(bench, "bench_decode", lambda asked, *args: ways.extend(asked) or [
         100.0, 95.0, 10.0])
     monkeypatch.setattr(bench, "count_step", lambda *args, **kwargs: (1e9, 1000))
-    for table in ("long_sequences", "short_sequences"):  # (their own tests above)
+    for table in ("long_sequences", "short_sequences"):  # (their own tests below)
         monkeypatch.setattr(bench, table, lambda *args: None)
     capsys.readouterr()
     bench.main(["--device", "cpu", "--repeats", "1"])
