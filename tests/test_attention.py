@@ -177,6 +177,13 @@ def test_fused_and_manual_paths_agree(name, causal):
         torch.testing.assert_close(attn(x, depth=depth), fused, rtol=1e-5, atol=1e-6)
 
 
+def test_dilated_attention_gathers_its_entries_unless_asked_for_the_map(monkeypatch):
+    # The two paths agree (above); the default one must be the O(T·C) gather, not the T x T map.
+    attn = ATTENTIONS["dilated"](GPTConfig(n_embd=16, n_head=2, attn="dilated"))
+    monkeypatch.setattr(attn, "padded_map", lambda *args: pytest.fail("built the T x T map"))
+    assert attn(torch.randn(2, 11, 16), depth=1).shape == (2, 11, 16)
+
+
 @pytest.mark.parametrize("name", list(ATTENTIONS))
 def test_forward_and_backward_run_for_every_variant(name):
     torch.manual_seed(0)

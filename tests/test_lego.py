@@ -356,14 +356,16 @@ def test_without_broadcast_ids_only_association_is_built():
     assert maps.shape == (1, 1, 9, 9)
 
 
-@pytest.mark.parametrize("name, layout", [("lego_v0", (0, 4, 4)), ("lego_v1", (1, 2, 2))])
+@pytest.mark.parametrize("name, n_head, layout", [("lego_v0", 2, (0, 4, 4)), ("lego_v1", 2, (1, 2, 2)),
+                                                  ("lego_v1", 4, (2, 2, 2))])
 @pytest.mark.parametrize("causal", [False, True])
-def test_output_equals_pathways_and_heads_computed_by_hand(name, layout, causal):
-    # n_embd 16, n_head 2, hs 8. v0: four pathways share the 16 channels, 4 each. v1: one
-    # standard head, and the other head's 8 channels shared by the four pathways, 2 each.
-    attn = lego_attention(name, causal)
+def test_output_equals_pathways_and_heads_computed_by_hand(name, n_head, layout, causal):
+    # n_embd 16. v0: four pathways share the 16 channels, 4 each. v1 with 2 heads of 8: one
+    # standard head, and the other head's 8 channels shared by the four pathways, 2 each; with
+    # 4 heads of 4: two standard heads (their outputs side by side), and 8 channels as before.
+    attn = lego_attention(name, causal, n_head=n_head)
     assert (attn.n_standard, attn.map_width, attn.conv_width) == layout
-    kept, w, hs, T = layout[0], layout[1], 8, 9
+    kept, w, hs, T = layout[0], layout[1], 16 // n_head, 9
     x = torch.randn(1, T, 16, dtype=torch.float64)
     values = x[0] @ attn.c_value.weight.T + attn.c_value.bias            # (T, 3w + conv)
     maps = attn.fixed_maps(TOKENS, torch.float64)[0]
