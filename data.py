@@ -1440,7 +1440,8 @@ class LEGO(Task):
         if supervise_last and (n_supervised or n_vars) >= n_vars - 1:
             raise ValueError(f"--supervise_last adds the last chain position to #0..#k-1 of "
                              f"--n_supervised k, with a gap between: it needs k below "
-                             f"{n_vars - 1} (--n_vars {n_vars} - 1)")
+                             f"{n_vars - 1} (--n_vars {n_vars} - 1)"
+                             + ("; set --n_supervised" if n_supervised is None else ""))
         self.group, self.n_vars = group, n_vars
         self.ops, self.value_words, images = LEGO_GROUPS[group]
         self.images = torch.tensor(images)                     # (ops, values)

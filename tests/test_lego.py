@@ -586,6 +586,7 @@ def test_mimicking_targets_follow_their_definitions():
 
 @pytest.mark.parametrize("n_supervised", [None, 5, 6])
 def test_supervise_last_with_no_gap_before_the_last_position_is_refused(n_supervised):
-    with pytest.raises(ValueError, match="--supervise_last .* needs k below 5"):
+    with pytest.raises(ValueError, match="--supervise_last .* needs k below 5") as refused:
         get_task("lego", n_vars=6, n_supervised=n_supervised, supervise_last=True)
+    assert str(refused.value).endswith("; set --n_supervised") == (n_supervised is None)  # k not typed
     get_task("lego", n_vars=6, n_supervised=4, supervise_last=True)  # #0..#3 and #5: a gap at #4
