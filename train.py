@@ -109,7 +109,9 @@ def build_parser():
     add("--stop_at_acc", type=accuracy_or_never, help="stop early at the first evaluation whose "
         "test accuracy reaches this (e.g. 1.0), taking the final evaluation there; default: never "
         "(type `never` to go on with a resumed run that stopped)")
-    add("--mimic_iters", type=int, default=0, help="first, steps of LEGO's mimicking (heads 0, 1)")
+    add("--mimic_iters", type=int, default=0, help="LEGO's mimicking initialisation (LEGO §4.2.2): "
+        "before training, this many steps fitting each layer's heads 0 and 1 to a local window and "
+        "to equal tokens (needs --n_head >= 2 and an --attn whose heads learn their maps); default 0")
     add = parser.add_argument_group("evaluation, output and system").add_argument
     add("--eval_interval", type=int, default=100, help="evaluate and checkpoint every N steps")
     add("--eval_samples", type=int, default=1024, help="test sequences per evaluation (a task "
