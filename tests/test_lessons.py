@@ -52,6 +52,12 @@ def test_lesson_executes_at_smoke_scale(path, monkeypatch):
     errors = [output for cell in notebook.cells for output in cell.get("outputs", [])
               if output.get("output_type") == "error"]
     assert not errors
+    # The last cell is the claims cell: a verdict per claim, then the time the lesson took.
+    claims_cell = [cell for cell in notebook.cells if cell.cell_type == "code"][-1]
+    printed = "".join(output.get("text", "") for output in claims_cell.get("outputs", []))
+    *verdicts, blank, took = printed.splitlines()
+    assert verdicts and all(line[:2] in ("✓ ", "✗ ", "· ") for line in verdicts), verdicts
+    assert blank == "" and took.startswith("lesson time: "), took
 
 
 # Run first in a lesson at the gpu scale: its first plan of runs goes through train.py's checks
