@@ -1,24 +1,9 @@
-"""
-The tasks of nanoChaCAL, each behind the same small interface (the class Task below):
+"""The tasks of nanoChaCAL, each behind one small interface, the class Task below:
 
     task = get_task("toy", n_blocks=8)
     x, y = task.sample(batch_size, generator, split="train")  # (B, T) ids; y = -1 where not scored
-    task.solve(x)                # the labels by brute force (the tests add walks by hand where
-                                 # a task's solver shares code with its sampler: cycles)
-    task.chain_depth(x)          # (B, T): how many references each label needs
-    task.describe(x, y, preds)   # readable lines about one sequence
-    task.evaluate(model, ...)    # the task's metrics as a dict (train.py prints and logs them)
-    task.example(generator, prompt=None, length=None)  # what sample.py shows
-    task.layout(x)               # extra arguments of the model for x: {}, or the inductive
-                                 # scratchpad's positions and groups (cycles)
-    task.generate(model, prompt, max_new_tokens)  # greedy answers (a task that generates_answer)
-    task.encode(text), task.decode(ids)  # words <-> token ids
-    task.vocab_size, task.block_size, task.train_defaults
 
-`generator` is a torch.Generator (on the CPU), so a seeded run sees the same data every time.
-train.py and sample.py call only this interface and never name a task. `python data.py lego`
-prints a fresh test example of a task with its answer.
-"""
+`python data.py TASK [SEED]` prints a test example of a task with its answer."""
 
 import contextlib
 import functools
@@ -30,126 +15,90 @@ import os
 import pathlib
 import random
 import re
-import signal
 
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C while torch loads: stop, no traceback
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import (copies, evaluating, first_line, from_hub, generate_inductive,
-                   inductive_layout, training_form)
+from model import evaluating
 
 
 class Task:
-    """What every task provides; a task overrides what differs.
+    """What every task provides; a task overrides what differs. split "test" is what evaluation
+    scores (a task may score only some positions in training, and all in test)."""
 
-    sample(batch_size, generator, split) draws a batch; split "test" is what evaluation scores
-    (a task with a fixed dataset keeps the splits apart; one that scores only some positions in
-    training scores all of them in test). evaluate() scores fresh test batches with score_batches;
-    a task adds its own metrics (boxes: answers written by greedy generation; the regular
-    languages: accuracy at every length longer than training, at the end of a run).
-    """
-
-    vocab_size = block_size = None
+    vocab_size = block_size = stop_token = prompt_length = None
+    vocab = None               # a word per id, if the task's text is words
     flags = {}                 # train.py's flags for the constructor's options: argparse keywords
     train_defaults = {}        # train.py settings this task needs other than train.py's defaults
     broadcast_ids = ()         # token ids that LEGO attention lets every token read
-    generates_answer = False   # the model writes an answer after a prompt (needs a causal model)
-    labels_from_later = False  # a label depends on tokens after it (needs a bidirectional model)
-    stop_token = None          # such a task's last token: generation stops once every row wrote it
-    prompt_length = None       # sample.py: tokens read at once before decoding one at a time
-    grouped = False            # layout() gives attention groups: the attention must take them
+    # Of "causal" or "bidirectional", "groups" (attention groups), "generation" (write an answer
+    # after a prompt: a test row's first prompt_length tokens, or up to its first label).
+    needs = frozenset()
 
-    @property
-    def train_length(self):
-        """The longest row of a training batch, by which train.py sizes a step's memory:
-        block_size, unless the task tests on longer rows than it trains on."""
-        return self.block_size
+    def sample(self, batch_size, generator=None, split="train"):
+        """(x, y), each (B, T): token ids, and each position's label (-1: not scored)."""
+        raise NotImplementedError
 
-    def evaluation_batches(self, n_samples, batch_size, generator):
-        for start in range(0, n_samples, batch_size):
-            yield self.sample(min(batch_size, n_samples - start), generator, split="test")
+    def solve(self, x):
+        """The labels of x (B, T) worked out by hand, apart from sample()."""
+        raise NotImplementedError
+
+    def chain_depth(self, x):
+        """(B, T): how many references each label of x needs."""
+        raise NotImplementedError
+
+    def describe(self, x, y=None, predictions=None):
+        """Readable lines about one sequence x (T,), its labels y and a model's predictions."""
+        raise NotImplementedError
+
+    def encode(self, text):
+        """Token ids (T,) of text written as words of self.vocab with spaces between them."""
+        ids = {word: i for i, word in enumerate(self.vocab) if word != "<pad>"}
+        unknown = [word for word in text.split() if word not in ids]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a word of this task")
+        return torch.tensor([ids[word] for word in text.split()], dtype=torch.long)
+
+    def decode(self, ids):
+        """The words of token ids, padding left out."""
+        return " ".join(w for w in (self.vocab[int(i)] for i in ids) if w != "<pad>")
 
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        """Loss and accuracy on n_samples test sequences (fresh ones, unless the task keeps a
-        fixed test set: boxes and text score its first n_samples), overall and per chain depth.
-        final: the last evaluation of a run, where a task may measure more."""
-        batches = self.evaluation_batches(n_samples, batch_size, generator)
-        return score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
-
-    def example(self, generator, prompt=None, length=None):
-        """(x (1, T), n_prompt) for sample.py: a fresh test sequence, or the typed prompt encoded.
-        A reading task's model reads x[:, :n_prompt] at once and the rest one token at a time;
-        a task that generates_answer is given x as the prompt to continue."""
-        if prompt is not None:
-            raise ValueError("--prompt: typed prompts are not read by this task; sample.py "
-                             "draws a fresh example (choose it with --seed)")
-        if length is not None:
-            raise ValueError("--length: this task's sequences have one length; --length is for "
-                             "tasks tested at lengths longer than training")
-        x, _ = self.sample(1, generator, split="test")
-        return x, self.prompt_length or x.size(1)
+        """Loss and accuracy on n_samples test sequences; final: a run's last, to measure more."""
+        batches = (self.sample(min(batch_size, n_samples - start), generator, split="test")
+                   for start in range(0, n_samples, batch_size))
+        return score_batches(model, batches, self, device, autocast)
 
     def layout(self, x):
-        """Keyword arguments of the model's forward for a batch x (B, T), besides x and y: none
-        for an ordinary task; positions and groups (B, T) for the inductive scratchpad."""
+        """Keyword arguments of the model's forward for a batch x (B, T), besides x and y."""
         return {}
-
-    def encode(self, text):
-        """Token ids (T,) of text written as words of self.vocab with spaces between them (a task
-        whose text is not written so overrides); an unknown word is named with the vocabulary."""
-        words = text.split()
-        unknown = [word for word in words if word not in self.token_ids]
-        if unknown:
-            raise ValueError(f"{unknown[0]!r} is not a word of this task ({self.words_hint()})")
-        return torch.tensor([self.token_ids[word] for word in words], dtype=torch.long)
-
-    @functools.cached_property
-    def token_ids(self):
-        """{word: token id} of a task with a word list self.vocab."""
-        return {word: i for i, word in enumerate(self.vocab)}
-
-    def words_hint(self):
-        """What encode()'s error lists as the vocabulary: every word, unless a task abridges it."""
-        return " ".join(self.vocab)
-
-    def decode(self, ids):
-        """The words of token ids, for a task with a word list self.vocab (others override)."""
-        return " ".join(self.vocab[int(i)] for i in ids)
 
     def generate(self, model, idx, max_new_tokens, use_cache=True):
         """The model's greedy continuation of prompts idx (B, T), up to stop_token: (B, T + new)."""
         return model.generate(idx, max_new_tokens, temperature=0, use_cache=use_cache,
                               stop_token=self.stop_token)
 
-    def describe_predictions(self, x, y, predictions):
-        """The line "model : <the model's tokens where y scores>" (y None: the solver's labels),
-        each read with the true answer before it, and how many are right: for describe() of a
-        task that writes answers."""
-        y = self.solve(x[None])[0] if y is None else y
-        scored = y != -1
-        hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
-        return (f"model : {self.decode(predictions[scored])}  ({hits}/{n} tokens"
-                f"{', exact match' if hits == n else ''})")
+
+def check_ranges(**ranges):
+    """Refuse the first flag whose value lies outside its range: flag=(value, low[, high])."""
+    for flag, (value, low, *high) in ranges.items():
+        if not low <= value <= (high or [value])[0]:
+            bound = f"lie in {low}..{high[0]}" if high else f"be at least {low}"
+            raise ValueError(f"--{flag} {value} must {bound}")
 
 
 @torch.no_grad()
-def score_batches(model, batches, chain_depth, layout, device="cpu",
-                  autocast=contextlib.nullcontext()):
-    """Loss and accuracy of model on batches of (x, y), overall and by chain depth, and the share
-    of sequences with every scored token right. For an answer decoded greedily that share is its
-    exact match: each greedy step then sees the same prefix as here, so it writes the same token.
-    layout(x): the task's extra arguments of the model (Task.layout).
-    """
+def score_batches(model, batches, task, device="cpu", autocast=contextlib.nullcontext()):
+    """Loss and accuracy of model on batches of (x, y), overall and by task.chain_depth, and the
+    share of sequences with every scored token right (a greedy answer's exact match)."""
     total_loss, hits, counts, whole, n_sequences = 0.0, {}, {}, 0, 0
     with evaluating(model):
         for x, y in batches:
-            depth = chain_depth(x)
+            depth = task.chain_depth(x)
             with autocast:
-                logits, loss = model(x.to(device), y.to(device), **layout(x.to(device)))
+                logits, loss = model(x.to(device), y.to(device), **task.layout(x.to(device)))
             correct = (logits.argmax(dim=-1).cpu() == y)
             scored = y != -1
             total_loss += loss.item() * scored.sum().item()  # the loss is a mean over scored tokens
@@ -159,56 +108,51 @@ def score_batches(model, batches, chain_depth, layout, device="cpu",
                 at_depth = scored & (depth == d)
                 hits[d] = hits.get(d, 0) + correct[at_depth].sum().item()
                 counts[d] = counts.get(d, 0) + at_depth.sum().item()
-    return {
-        "eval_loss": total_loss / sum(counts.values()),
-        "eval_acc": sum(hits.values()) / sum(counts.values()),
-        "eval_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)},
-        "eval_whole_sequences": whole / n_sequences,
-    }
+    return {"eval_loss": total_loss / sum(counts.values()),
+            "eval_acc": sum(hits.values()) / sum(counts.values()),
+            "eval_acc_by_depth": {str(d): hits[d] / counts[d] for d in sorted(counts)},
+            "eval_whole_sequences": whole / n_sequences}
+
+
+def answer_lines(task, x, y, predictions, prompt, truth, written):
+    """describe() of a task that writes answers: the prompt, the truth, and the predictions
+    where y scores (hits/n tokens), or else what the model wrote after the prompt, if given."""
+    lines = [f"prompt: {prompt}", f"truth : {truth}"]
+    if predictions is not None:
+        y = task.solve(x[None])[0] if y is None else y
+        scored = y != -1
+        hits, n = (predictions[scored] == y[scored]).sum().item(), scored.sum().item()
+        lines.append(f"model : {task.decode(predictions[scored])}  ({hits}/{n} tokens"
+                     f"{', exact match' if hits == n else ''})")
+    elif written is not None:
+        lines.append(f"written: {written}")
+    return "\n".join(lines)
 
 
 class PointerChains(Task):
     """The toy task of the ChaCAL paper (Section 5.1): follow a chain of pointers to its end.
 
-    A sequence of n_blocks blocks of block_len tokens (16 x 8 = 128 by default). Block 0 holds
-    random values in [0, vocab_size). Each later block holds a random permutation of the absolute
-    positions of the block before it, so every token points at a distinct token one block back.
-    The label of a token in block b is the block-0 value its chain of b pointers ends at; its
-    chain depth is b. Block 0 is not scored. (The paper asks for "the indices included in the
-    reference chain" and defines no more; the chain's end is our reading, one label per token
-    that needs every hop. Shallow models' accuracies are therefore not the paper's: lesson 01.)
-
-    Worked example with 4 blocks of 2 tokens (positions 0..7, vocabulary 10):
+    n_blocks blocks of block_len tokens (16 x 8 = 128). Block 0 holds random values; each later
+    block a random permutation of the positions of the block before it. The label of a token in
+    block b is the block-0 value its chain of b pointers ends at (chain depth b); block 0 is not
+    scored (the chain's end as the label is our reading of the paper). 4 blocks of 2, vocabulary 8:
 
         position   0  1 | 2  3 | 4  5 | 6  7
-        x          9  4 | 1  0 | 3  2 | 4  5
-        y          -  - | 4  9 | 9  4 | 9  4
+        x          7  4 | 1  0 | 3  2 | 4  5
+        y          -  - | 4  7 | 7  4 | 7  4
         depth      -  - | 1  1 | 2  2 | 3  3
 
-    Position 7 holds 5, so it points at position 5; that holds 2, pointing at position 2; that
-    holds 1, pointing at position 1 in block 0, whose value is 4. So y[7] = 4, after 3 hops.
-
-    By Theorem 1 a standard transformer needs ⌈log2(b+1)⌉ layers to resolve depth b, so with 16
-    blocks it needs 4 layers; one ChaCAL layer resolves every depth.
+    Position 7 holds 5, which holds 2, which holds 1: y[7] = x[1] = 4, after 3 hops.
     """
 
     flags = {"n_blocks": dict(type=int, help="toy: number of blocks, chains n_blocks-1 deep (16)"),
              "block_len": dict(type=int, help="toy: tokens per block (8)")}
 
-    def __init__(self, n_blocks=16, block_len=8, vocab_size=None):
-        if n_blocks < 2:
-            raise ValueError(f"--n_blocks {n_blocks} must be at least 2: block 0 holds the values, "
-                             f"the blocks after it the pointers")
-        if block_len < 1:
-            raise ValueError(f"--block_len {block_len} must be at least 1")
+    def __init__(self, n_blocks=16, block_len=8):
+        check_ranges(n_blocks=(n_blocks, 2), block_len=(block_len, 1))
         self.n_blocks, self.block_len = n_blocks, block_len
-        self.block_size = n_blocks * block_len
-        self.prompt_length = block_len  # sample.py reads block 0 at once, then one token at a time
-        # Pointers are absolute positions, so the vocabulary must hold every position.
-        self.vocab_size = vocab_size or self.block_size
-        if self.vocab_size < self.block_size:
-            raise ValueError(f"vocab_size {self.vocab_size} cannot hold the {self.block_size} "
-                             f"positions that pointers name; leave it unset")
+        self.block_size = self.vocab_size = n_blocks * block_len  # pointers are positions
+        self.vocab = [str(i) for i in range(self.vocab_size)]  # text: the ids as numbers
 
     def sample(self, batch_size, generator=None, split="train"):
         n, k = self.n_blocks, self.block_len
@@ -218,104 +162,58 @@ class PointerChains(Task):
         previous_block_start = torch.arange(n - 1).view(1, n - 1, 1) * k
         pointers = (previous_block_start + perms).view(batch_size, -1)  # blocks 1..n-1
         x = torch.cat([values, pointers], dim=1)                        # (B, T)
-
         # Resolve block by block: a token's answer is the answer of the token it points at.
-        answer = x.clone()
+        y = x.clone()
         for b in range(1, n):
             block = slice(b * k, (b + 1) * k)
-            answer[:, block] = answer.gather(1, x[:, block])
-        y = answer.clone()
+            y[:, block] = y.gather(1, x[:, block])
         y[:, :k] = -1
         return x, y
 
     def chain_depth(self, x):
-        depth = torch.arange(self.block_size, device=x.device) // self.block_len
-        return depth.expand_as(x)
+        return (torch.arange(x.size(1), device=x.device) // self.block_len).expand_as(x)
 
     def solve(self, x):
-        """Follow every pointer by hand, one token at a time: the reference for the labels."""
         y = torch.full_like(x, -1)
         for row, seq in enumerate(x.tolist()):
-            for pos in range(self.block_len, self.block_size):
+            for pos in range(self.block_len, len(seq)):
                 at = pos
-                while at >= self.block_len:  # still outside block 0: keep following
-                    if seq[at] >= at:  # a pointer that does not point back would never end
-                        raise ValueError(f"position {at} points at {seq[at]}: every pointer "
-                                         f"must point at an earlier position")
+                while at >= self.block_len:  # still outside block 0: follow the pointer back
+                    if seq[at] >= at:
+                        raise ValueError(f"toy: position {at} points at {seq[at]}, not back")
                     at = seq[at]
                 y[row, pos] = seq[at]
         return y
 
-    def example(self, generator, prompt=None, length=None):
-        """A fresh sequence, or a typed one: token ids separated by spaces or commas."""
-        if prompt is None or length is not None:  # --length is refused with or without a prompt
-            return super().example(generator, length=length)
-        try:
-            x = self.encode(prompt)[None]
-        except ValueError as error:
-            raise ValueError(f"--prompt: {error} (run without --prompt to see a fresh example)"
-                             ) from None
-        if x.size(1) != self.block_size:
-            raise ValueError(f"--prompt: expected {self.block_size} tokens ({self.n_blocks} blocks "
-                             f"of {self.block_len}), got {x.size(1)}")
-        k = self.block_len
-        for b in range(1, self.n_blocks):
-            block = x[0, b * k:(b + 1) * k]
-            if (block < (b - 1) * k).any() or (block >= b * k).any():
-                raise ValueError(f"--prompt: block {b} must point into block {b - 1}, i.e. hold "
-                                 f"positions {(b - 1) * k}..{b * k - 1}; it holds {block.tolist()}")
-        return x, self.prompt_length
-
-    def encode(self, text):
-        """Token ids (T,) of numbers separated by spaces or commas, as decode() writes them."""
-        words = text.replace(",", " ").split()
-        bad = next((w for w in words if not (w.isascii() and w.isdigit())
-                    or int(w) >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"a toy sequence is token ids in [0, {self.vocab_size}); {bad!r} is "
-                             f"not one")
-        return torch.tensor([int(w) for w in words], dtype=torch.long)
-
-    def decode(self, ids):
-        """The tokens as numbers: values in block 0, positions after it."""
-        return " ".join(str(int(i)) for i in ids)
-
     def describe(self, x, y=None, predictions=None):
-        """A few readable lines about one sequence x (T,): blocks, and answers beside the truth."""
-        k = self.block_len
+        y, k = self.solve(x[None])[0] if y is None else y, self.block_len
         lines = [f"block  0 values  : {x[:k].tolist()}"]
-        for b in range(1, self.n_blocks):
+        for b in range(1, x.size(0) // k):
             block = slice(b * k, (b + 1) * k)
-            line = f"block {b:2d} pointers: {x[block].tolist()}"
-            if y is not None:
-                line += f"  truth {y[block].tolist()}"
+            line = f"block {b:2d} pointers: {x[block].tolist()}  truth {y[block].tolist()}"
             if predictions is not None:
-                hits = (predictions[block] == y[block]).sum().item() if y is not None else "?"
+                hits = (predictions[block] == y[block]).sum().item()
                 line += f"  model {predictions[block].tolist()} ({hits}/{k})"
             lines.append(line)
         return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
-# Boxes: entity tracking in text (ChaCAL paper Section 5.2, Tables 5 and 6). Generator after Kim &
-# Schuster's generate_boxes_data.py (sebschu/entity-tracking-lms), with the paper's changes.
-
-# Kim & Schuster's 100 objects (data/objects_with_bnc_frequency.csv), in file order.
-OBJECTS = """book car paper letter game computer picture plant cup machine bill glass note stone fish
-drug television card document rock radio ball tea file newspaper branch train cash fig flower bag
-boat key painting phone drink engine bus coffee sheet plate magazine egg tape bottle block brain map
-crown ring leaf dress fan milk ticket shoe bone gift cross plane mirror coat wheel string ice rose
-boot hat suit creature bomb camera bread cake meat beer shirt cigarette jacket apple pipe guitar disk
-medicine knife cream clock chemical seed tie watch cheese bowl dish shell wire tissue pot brick
-bell""".split()
+# Boxes (ChaCAL paper Section 5.2): Kim & Schuster's generator (sebschu/entity-tracking-lms,
+# generate_boxes_data.py) with the paper's changes; their objects_with_bnc_frequency.csv's 100:
+OBJECTS = """book car paper letter game computer picture plant cup machine bill glass note stone
+fish drug television card document rock radio ball tea file newspaper branch train cash fig flower
+bag boat key painting phone drink engine bus coffee sheet plate magazine egg tape bottle block
+brain map crown ring leaf dress fan milk ticket shoe bone gift cross plane mirror coat wheel string
+ice rose boot hat suit creature bomb camera bread cake meat beer shirt cigarette jacket apple pipe
+guitar disk medicine knife cream clock chemical seed tie watch cheese bowl dish shell wire tissue
+pot brick bell""".split()
 LETTERS = "ABCDEFGH"
 MAX_ITEMS = 3  # per box, at every step
 TEMPLATE_WORDS = ("Box Move Put Remove and are contains contents empty from in into is nothing of "
                   "the there to").split()
-# One vocabulary for both versions: specials first (PAD = 0 so zero-filled buffers are padding),
-# then every word sorted. 4 + 100 objects + 18 template words + 8 letters + 2 punctuation = 132,
-# the advanced version's size in the paper's Table 4 (it gives the default version 128; one list
-# keeps a word's id the same in both).
+# Specials first (PAD = 0: zero-filled buffers are padding), then every word sorted: 132 words,
+# the advanced version's size in the paper's Table 4 (one list for both versions).
 SPECIALS = ["<pad>", "<bos>", "<sep>", "<eos>"]
 VOCAB = SPECIALS + sorted(set(OBJECTS + TEMPLATE_WORDS + list(LETTERS) + [",", "."]))
 TOKEN_IDS = {word: i for i, word in enumerate(VOCAB)}
@@ -323,47 +221,33 @@ PAD, BOS, SEP, EOS = range(4)
 
 
 def encode(text):
-    """Word-level token ids of a boxes text, specials such as <bos> included. Case: a word that
-    starts the text or follows a special may be a capital that is not a token ("The", "There"),
-    as decode() writes it; it is stored in lower case."""
-    words = re.findall(r"<\w+>|\w+|[,.]", text)
-    for i, word in enumerate(words):
-        if word not in TOKEN_IDS and (i == 0 or words[i - 1] in SPECIALS):
-            words[i] = word.lower()
+    """Word-level token ids of a boxes text, specials included; decode()'s capitals read lower."""
+    words = [w if w in TOKEN_IDS else w.lower() for w in re.findall(r"<\w+>|\w+|[,.]", text)]
     unknown = [w for w in words if w not in TOKEN_IDS]
     if unknown:
-        raise ValueError(f"{unknown[0]!r} is not a word of this task ({len(OBJECTS)} object "
-                         f"names, the letters {LETTERS[0]}..{LETTERS[-1]}, the templates' words, "
-                         f"commas and periods)")
+        raise ValueError(f"{unknown[0]!r} is not a word of this task")
     return [TOKEN_IDS[w] for w in words]
 
 
-def until_eos(ids):
-    """A generated answer (a list of token ids) up to, not including, its first EOS."""
-    return ids[:ids.index(EOS)] if EOS in ids else ids
-
-
-def decode(ids, keep_pad=False):
-    """Text of token ids: PAD dropped, other specials shown as <bos> etc., and the first word of
-    the text or after a special capitalised, so decode(encode(text)) == text for boxes texts.
-    keep_pad: for an answer a model wrote, where a PAD is a word it wrote, not padding, so a
-    right answer with a PAD in it reads as wrong, as it is token by token."""
-    words = []
-    for i in ids:
-        if int(i) != PAD or keep_pad:
-            word = VOCAB[int(i)]
+def decode(ids, written=False):
+    """Text of token ids, PAD dropped, sentences capitalised: decode(encode(text)) == text.
+    written: a model's answer, read up to its <eos>, in which a PAD is a wrong word."""
+    ids, words = [int(i) for i in ids], []
+    for i in ids[:ids.index(EOS)] if written and EOS in ids else ids:
+        if i != PAD or written:
+            word = VOCAB[i]
             words.append(word.capitalize() if not words or words[-1] in SPECIALS else word)
     return " ".join(words).replace(" ,", ",").replace(" .", ".")
 
 
 def _the(items):
-    """{"cup", "map"} -> "the cup and the map": items as a sentence names them."""
+    """{"cup", "map"} -> "the cup and the map"."""
     return " and ".join(f"the {item}" for item in sorted(items))
 
 
 def render_answer(boxes, with_empty=True):
-    """The answer in the standard wording, boxes in letter order: "Box A contains the map and the
-    milk, Box B is empty." The advanced version leaves empty boxes out (with_empty=False)."""
+    """The answer text "Box A contains the map and the milk, Box B is empty." (boxes in letter
+    order; with_empty=False leaves empty boxes out, as the advanced version does)."""
     clauses = [f"Box {b} contains {_the(items)}" if items else f"Box {b} is empty"
                for b, items in sorted(boxes.items()) if items or with_empty]
     return ", ".join(clauses) + "."
@@ -375,16 +259,9 @@ def _items(text):
 
 
 def simulate(prompt):
-    """Read a prompt's text alone and return ({letter: set of items} after the last operation,
-    {letter: reference depth of the box}). Raises ValueError on an impossible step.
-
-    An implicit move ("Move the contents of Box X to Box Y") does not name what moves: a reader
-    must resolve what X held, which may itself have arrived by an implicit move. A box's reference
-    depth is the longest such chain among its items: the implicit moves an item rode along with
-    since a sentence last named it (the description, a Put, an explicit Move). Empty boxes: 0.
-    """
-    if not prompt.strip():
-        raise ValueError("boxes: the prompt is empty; start it with what each box holds")
+    """({letter: set of items} after the last operation, {letter: reference depth of the box})
+    read from a prompt's text alone. A box's depth is the most implicit moves ("Move the contents
+    of Box X", which does not name what moves) one of its items rode along since it was named."""
     description, *operations = prompt.rstrip(".").split(". ")
     boxes, hops = {}, {}  # hops: implicit moves each item rode along with since it was named
     for clause in (description[:1].lower() + description[1:]).split(", "):
@@ -394,9 +271,6 @@ def simulate(prompt):
             box, items = m[2], _items(m[1])
         else:
             raise ValueError(f"boxes: cannot read the description clause {clause!r}")
-        if box in boxes or items & set(hops):  # a second clause would overwrite the first
-            raise ValueError(f"boxes: the description says twice what is in Box {box}"
-                             if box in boxes else f"boxes: {clause!r} names an item already in a box")
         boxes[box] = items
         hops.update(dict.fromkeys(items, 0))
     for op in operations:
@@ -406,8 +280,6 @@ def simulate(prompt):
             items, source, target = _items(m[1]), m[2], m[3]
         elif m := re.fullmatch(r"Put (.+) into Box (\w)", op):
             items, source, target = _items(m[1]), None, m[2]
-            if any(items & box for box in boxes.values()):
-                raise ValueError(f"boxes: {op!r} puts an item that is already in a box")
         elif m := re.fullmatch(r"Remove (.+) from Box (\w)", op):
             items, source, target = _items(m[1]), m[2], None
         else:
@@ -425,8 +297,7 @@ def simulate(prompt):
 
 
 def parse_answer(text):
-    """{letter: set of items} stated by an answer text ("Box A contains the key, Box B is empty.").
-    Clauses that do not parse are skipped: a model's answer may be malformed."""
+    """{letter: set of items} an answer text states; clauses that do not parse are skipped."""
     boxes = {}
     for clause in text.rstrip(".").split(", "):
         if m := re.fullmatch(r"Box (\w) contains (.+)", clause):
@@ -493,18 +364,13 @@ def _default_operations(rng, boxes, letters, n_ops, objects):
     return ops
 
 
-# Table 6 has 9 moves and 2 put/remove pairs in 13 operations; drawing moves and pairs 1:1
-# would make that unlikely (5%; 33% with 3/4), so we draw a move with probability 3/4 (our
-# choice; the paper is silent). A lone last operation is a move; a pair drawn with two left ends
-# the prompt on its Remove, so a prompt of 2 operations may hold no move (3% of advanced prompts).
+# Table 6 has 9 moves and 2 put/remove pairs in 13 operations, unlikely if drawn 1:1 (5%): we
+# draw a move with probability 3/4 (the paper is silent). A lone last operation is a move.
 ADVANCED_MOVE_PROBABILITY = 0.75
 
 
 def _advanced_operations(rng, boxes, letters, n_ops, objects):
-    """Moves of a whole box into an empty box, so n_filled boxes stay filled, and put/remove pairs
-    that put an item into a filled box and take it out again at once. Both rules are inferred
-    from the paper's one example (Table 6); the paper only says moves are all implicit and half
-    the boxes hold items."""
+    """Whole-box moves into an empty box, and put/remove pairs: as the paper's Table 6 shows."""
     ops = []
     while len(ops) < n_ops:
         filled = [b for b in range(len(boxes)) if boxes[b]]
@@ -520,8 +386,7 @@ def _advanced_operations(rng, boxes, letters, n_ops, objects):
     return ops
 
 
-# Each version's sizes in the paper (Section 5.2, Tables 5 and 6). Boxes' flags change the sizes,
-# never the rules: a small advanced version keeps every move implicit.
+# Each version's sizes in the paper (Section 5.2, Tables 5, 6); flags change sizes, not rules.
 PAPER_SIZES = {
     "default": dict(n_boxes=7, n_filled=None, n_objects=100, min_ops=32, max_ops=32),
     "advanced": dict(n_boxes=8, n_filled=4, n_objects=100, min_ops=1, max_ops=31),
@@ -529,44 +394,28 @@ PAPER_SIZES = {
 
 
 def box_sizes(version="default", **sizes):
-    """The version's paper sizes with those given (None: the paper's), checked; a ValueError
-    names the flag. n_boxes: boxes A.. (at most 8, the letters of the vocabulary); n_filled
-    (advanced only): boxes holding one item at the start; n_objects: the first objects of
-    OBJECTS that may appear; min_ops..max_ops: operations per example, log-uniform."""
-    if version not in PAPER_SIZES:
-        raise ValueError(f"--boxes_version {version!r}: choose default or advanced")
+    """The version's paper sizes with those given (None: the paper's), checked: boxes A.., boxes
+    holding one item at the start (advanced only), the first objects of OBJECTS that may appear,
+    min_ops..max_ops operations per example (log-uniform)."""
     if version == "default" and sizes.get("n_filled") is not None:
-        raise ValueError("--n_filled: the default version draws Poisson(2) items per box; "
-                         "--n_filled sets the advanced version's filled boxes")
+        raise ValueError("--n_filled sets the advanced version's filled boxes, not the default's")
     s = {**PAPER_SIZES[version], **{k: v for k, v in sizes.items() if v is not None}}
-    if not 2 <= s["n_boxes"] <= len(LETTERS):
-        raise ValueError(f"--n_boxes {s['n_boxes']} must lie in 2..{len(LETTERS)} (boxes A..H)")
-    if version == "advanced" and not 1 <= s["n_filled"] < s["n_boxes"]:
-        paper = "" if sizes.get("n_filled") is not None else " (the paper's, as none was given)"
-        raise ValueError(f"--n_filled {s['n_filled']}{paper} must lie in 1..{s['n_boxes'] - 1}: "
-                         f"a move needs an empty box among the {s['n_boxes']} of --n_boxes")
-    fewest = s["n_filled"] + 1 if version == "advanced" else MAX_ITEMS * s["n_boxes"]
-    if not fewest <= s["n_objects"] <= len(OBJECTS):
-        raise ValueError(f"--n_objects {s['n_objects']} must lie in {fewest}..{len(OBJECTS)} "
-                         f"(the {version} version with {s['n_boxes']} boxes)")
-    if s["min_ops"] < 1:
-        raise ValueError(f"--min_ops {s['min_ops']} must be at least 1")
-    if s["max_ops"] < s["min_ops"]:
-        raise ValueError(f"--max_ops {s['max_ops']} is below --min_ops {s['min_ops']}")
+    advanced = version == "advanced"  # a move needs an empty box; the default fills up to 3 each
+    check_ranges(n_boxes=(s["n_boxes"], 2, len(LETTERS)),
+                 n_filled=(s["n_filled"], 1, s["n_boxes"] - 1) if advanced else (0, 0),
+                 n_objects=(s["n_objects"], s["n_filled"] + 1 if advanced
+                            else MAX_ITEMS * s["n_boxes"], len(OBJECTS)),
+                 min_ops=(s["min_ops"], 1, s["max_ops"]))
     return s
 
 
-REDRAWS = 10_000  # initial states generate_example draws before it gives up on the split
-
-
 def generate_example(rng, version="default", signatures=None, **sizes):
-    """One (prompt, answer) pair of texts drawn with rng (a random.Random). The initial state is
-    redrawn until its signature (items per box) is in `signatures` (None: any). sizes: those of
-    box_sizes (left out: the paper's)."""
+    """(prompt, answer) texts drawn with rng, the initial state's signature (items per box) in
+    `signatures` (None: any)."""
     advanced = version == "advanced"
     sizes = box_sizes(version, **sizes)
     letters, objects = LETTERS[:sizes["n_boxes"]], OBJECTS[:sizes["n_objects"]]
-    for _ in range(REDRAWS):
+    while True:  # redraw until the state is in the split (over a sixth of the draws' mass)
         if advanced:  # n_filled boxes hold one item each (paper: 4 of 8, as in Table 6)
             filled = rng.sample(range(len(letters)), sizes["n_filled"])
             counts = [int(b in filled) for b in range(len(letters))]
@@ -574,18 +423,13 @@ def generate_example(rng, version="default", signatures=None, **sizes):
             counts = [min(_poisson(rng, 2), MAX_ITEMS) for _ in letters]
         if signatures is None or tuple(counts) in signatures:
             break
-    else:  # a split holds over a sixth of the draws' mass (0.18 at 8 boxes), so only a bug ends here
-        raise RuntimeError(f"no initial state in {REDRAWS} draws has one of the split's signatures "
-                           f"(e.g. {min(signatures)}): the split and the draw disagree on the sizes")
     items = iter(rng.sample(objects, sum(counts)))
     boxes = [{next(items) for _ in range(c)} for c in counts]
-
-    # Log-uniform on min..max: floor(min * ((max+1)/min)^u), u uniform in [0, 1); the advanced
-    # version's 1..31 is floor(32^u), so P(n) = log2((n+1)/n) / 5. The default version: 32.
+    # Log-uniform on min..max: floor(min * ((max+1)/min)^u), u uniform in [0, 1).
     low, high = sizes["min_ops"], sizes["max_ops"]
     n_ops = low if low == high else int(low * ((high + 1) / low) ** rng.random())
-    clauses = [(f"{_the(boxes[b])} {'is' if len(boxes[b]) == 1 else 'are'} in Box {letters[b]}"
-                if boxes[b] else f"there is nothing in Box {letters[b]}") for b in range(len(letters))]
+    clauses = [f"{_the(box)} {'is' if len(box) == 1 else 'are'} in Box {letter}" if box
+               else f"there is nothing in Box {letter}" for box, letter in zip(boxes, letters)]
     if advanced:  # only the filled boxes, in letter order as in Table 6
         clauses = [c for c, n in zip(clauses, counts, strict=True) if n]
         ops = _advanced_operations(rng, boxes, letters, n_ops, objects)
@@ -599,9 +443,7 @@ def generate_example(rng, version="default", signatures=None, **sizes):
 
 
 def signature_split(version, seed, **sizes):
-    """(train, test) sets of initial-state signatures (items per box), a seeded half each, so no
-    initial count configuration is in both splits (Kim & Schuster split the same way, 45/10/45).
-    sizes: those of box_sizes (left out: the paper's)."""
+    """(train, test) sets of initial-state signatures (items per box), a seeded half each."""
     sizes = box_sizes(version, **sizes)
     n = sizes["n_boxes"]
     if version == "advanced":
@@ -614,14 +456,9 @@ def signature_split(version, seed, **sizes):
     return set(signatures[:half]), set(signatures[half:])
 
 
-_writes = itertools.count()  # numbers write_whole's temporary files within a process
-
-
 def write_whole(path, write):
-    """write(a temporary path), then rename it to path: an interrupted write leaves no half file
-    under the name a later run would read. The temporary name is this call's own, so runs that
-    build the same file at once (a lesson's parallel runs) never write into one file."""
-    temporary = f"{path}.{os.getpid()}-{next(_writes)}.tmp"
+    """write(a temporary path of this process's own), then rename it to path: never a half file."""
+    temporary = f"{path}.{os.getpid()}.tmp"
     try:
         write(temporary)
         os.replace(temporary, path)
@@ -631,119 +468,90 @@ def write_whole(path, write):
 
 
 @functools.lru_cache(maxsize=4)
-def _read_dataset(path, modified):
-    # Read once per file version (keyed by its mtime, so a file written anew is read anew). It
-    # holds tensors only, so nothing but tensors is unpickled.
+def read_dataset(path, modified):
+    """A boxes dataset file, read once per version (its mtime) and checked: two tables of token
+    ids (only tensors are unpickled), 64k columns wide, each row <bos> ... <sep> ... <eos>."""
     try:
         data = torch.load(path, weights_only=True)
-        well_formed = data["train"].dim() == data["test"].dim() == 2
+        splits = [data["train"], data["test"]]
     except Exception:
-        well_formed = False
-    if not well_formed:
-        raise ValueError(f"{path} is not a boxes dataset (damaged, or from elsewhere); delete it "
-                         f"and it will be generated again")
-    return data
+        splits = []
+    if not (splits and all(isinstance(r, torch.Tensor) and r.dtype == torch.uint8 and r.dim() == 2
+                           and r.numel() for r in splits)):
+        problem = "is not a boxes dataset (damaged, or from elsewhere)"
+    elif splits[0].size(1) != splits[1].size(1) or splits[0].size(1) % 64:
+        problem = f"has its columns cut (widths {[r.size(1) for r in splits]})"
+    elif max(int(r.max()) for r in splits) >= len(VOCAB):
+        problem = f"holds token ids past the vocabulary's {len(VOCAB)}"
+    elif not all((r[:, 0] == BOS).all() and ((r == SEP).sum(1) == 1).all()
+                 and ((r == EOS).sum(1) == 1).all()
+                 and ((r == SEP).int().argmax(1) < (r == EOS).int().argmax(1)).all()
+                 for r in splits):
+        problem = "holds rows that are not whole examples <bos> ... <sep> ... <eos>"
+    else:
+        return data
+    raise ValueError(f"{path} {problem}; delete it and it will be generated again")
 
 
-def share_right(scores):
-    """The share of (depth, right) pairs that are right."""
+def share_right(scores, by_depth=False):
+    """The share of (depth, right) pairs that are right, or {depth: share} in depth order."""
+    if by_depth:
+        return {str(d): share_right([s for s in scores if s[0] == d]) for d in sorted(dict(scores))}
     return sum(right for _, right in scores) / len(scores)
 
 
-def share_right_by_depth(scores):
-    """{depth: share right} of (depth, right) pairs, depths in order, as text (JSON's keys)."""
-    depths = sorted({depth for depth, _ in scores})
-    return {str(d): share_right([score for score in scores if score[0] == d]) for d in depths}
-
-
 class Boxes(Task):
-    """Entity tracking in text, the boxes dataset of the ChaCAL paper (Section 5.2, Tables 5-6).
-
-    A prompt describes what is in each box, then operations (Put, Remove, Move) change it; the
-    model writes the final contents of the boxes. A 3-box, 2-operation example:
+    """Entity tracking in text (ChaCAL paper Section 5.2, Tables 5-6): a prompt describes boxes,
+    operations change them, and after <sep> the model writes their final contents:
 
         prompt  The cup is in Box B, there is nothing in Box A, the key and the map are in Box C.
                 Move the key from Box C to Box A. Move the contents of Box B to Box C.
         answer  Box A contains the key, Box B is empty, Box C contains the cup and the map.
 
-    "Move the contents" is the implicit form: the model must know what was in the box.
-    version="default": 7 boxes A-G, 32 operations, every box described and answered.
-    version="advanced": 8 boxes A-H, 4 holding one item, 1-31 operations (log-uniform), every
-    move implicit, only filled boxes described and answered: chains of up to 31 moves.
-    n_boxes, n_filled, n_objects, min_ops, max_ops resize a version and keep its rules (None:
-    the paper's sizes, see box_sizes): e.g. 8 boxes, 2 filled, 1-7 operations is an advanced
-    version of tens of tokens, whose 28 initial states (which boxes are filled) split 14/14. It
-    needs two filled boxes or more: with one, every move starts where the last one ended, so the
-    answer's box is the last move's destination, read without following anything.
-
-    Vocabulary (132 words, VOCAB): <pad> <bos> <sep> <eos>, then the punctuation, box letters,
-    template words and 100 objects in one sorted list; word-level, see encode(). A row and its
-    labels (-1 is not scored):
-
-        x       <bos> the cup ... Box C  .  <sep> Box A        contains ... map .     <eos> <pad>
-        y       -1    -1  -1  ... -1  -1 -1 Box   A   contains the      ... .   <eos> -1    -1
-        depth   -1    -1  -1  ... -1  -1 -1 0     0   0        0        ... 1   1     -1    -1
-
-    so y[t] = x[t+1] while x[t+1] is an answer token or <eos>: only the answer is scored. Its
-    chain depth is the reference depth of the box its clause names (simulate(): the implicit
-    moves its items rode along with; A 0, B 0, C 1 as the cup came by "Move the contents").
-
-    Examples are generated once per (version, sizes, data_seed, n_train, n_test), both splits
-    together (train and test never share an initial signature), and cached in cache_dir (None: no
-    cache). Each split's token ids are task.rows[split] (N, block_size); prompt_and_answer(i)
-    serves exact match.
-    evaluate() also writes the answers to the first test prompts by greedy generation and scores
-    them against the simulator (score_answers: exact match, and boxes right, by chain depth).
+    Only the answer and <eos> are scored, each token at the depth of the box its clause names
+    (simulate()): Box C's is 1, as the cup came by "Move the contents", which does not name it.
+    Version "default": 7 boxes, 32 operations, every box described and answered; "advanced": 8
+    boxes, 4 holding one item, 1-31 operations, every move implicit, only filled boxes described
+    and answered. The examples are generated once, the splits apart by initial signature, and
+    cached in cache_dir; evaluate() also scores written answers.
     """
 
-    generates_answer = True
+    needs = frozenset({"causal", "generation"})
     stop_token = EOS
-    flags = {"boxes_version": dict(choices=["default", "advanced"], help="boxes: 7 boxes and 32 "
-                                   "operations (default), or 8 boxes and 1-31 operations, every "
-                                   "move implicit"),
-             "n_train": dict(type=int, help="boxes: training examples, cached in data_cache/ (2000)"),
-             "n_test": dict(type=int, help="boxes: test examples, whose starting counts of items "
-                            "per box training never has (500)"),
-             "n_boxes": dict(type=int, help="boxes: boxes A.. in a prompt, 2-8 (7 default, 8 "
-                             "advanced)"),
-             "n_filled": dict(type=int, help="boxes advanced: boxes holding an item at the start "
-                              "(4); with 1, the last move names the answer's box: no chain to follow"),
-             "n_objects": dict(type=int, help="boxes: objects that may appear, the first of the "
-                               "100 (100)"),
-             "min_ops": dict(type=int, help="boxes: fewest operations per prompt (default 32, "
-                             "advanced 1)"),
-             "max_ops": dict(type=int, help="boxes: most operations per prompt, log-uniform from "
-                             "min_ops (default 32, advanced 31)")}
+    decode = staticmethod(decode)  # the module's decode(ids) above
+    flags = {"boxes_version": dict(choices=["default", "advanced"], help="boxes: 7 boxes, 32 "
+                                   "operations (default), or 8 boxes, 1-31 implicit moves"),
+             "n_train": dict(type=int, help="boxes: training examples (2000), in data_cache/"),
+             "n_test": dict(type=int, help="boxes: test examples, of unseen initial states (500)"),
+             "n_boxes": dict(type=int, help="boxes: boxes A.., 2-8 (7 default, 8 advanced)"),
+             "n_filled": dict(type=int, help="boxes advanced: boxes holding an item at first (4)"),
+             "n_objects": dict(type=int, help="boxes: objects that may appear (100)"),
+             "min_ops": dict(type=int, help="boxes: fewest operations (default 32, advanced 1)"),
+             "max_ops": dict(type=int, help="boxes: most operations (default 32, advanced 31)")}
 
     def __init__(self, boxes_version="default", n_train=2000, n_test=500, data_seed=0,
                  cache_dir="data_cache", n_boxes=None, n_filled=None, n_objects=None,
                  min_ops=None, max_ops=None):
-        version = boxes_version
-        self.sizes = box_sizes(version, n_boxes=n_boxes, n_filled=n_filled, n_objects=n_objects,
-                               min_ops=min_ops, max_ops=max_ops)
-        if n_train < 1 or n_test < 1:
-            raise ValueError(f"--n_train {n_train} and --n_test {n_test} must be at least 1")
+        version, seed = boxes_version, data_seed  # seed: of the examples, not of a run
+        self.sizes = s = box_sizes(version, n_boxes=n_boxes, n_filled=n_filled,
+                                   n_objects=n_objects, min_ops=min_ops, max_ops=max_ops)
+        check_ranges(n_train=(n_train, 1), n_test=(n_test, 1))
         self.version, self.vocab_size = version, len(VOCAB)
-        seed = data_seed  # of the examples, apart from a run's --seed: every run sees one dataset
-        s = self.sizes
         sizes = (f"{s['n_boxes']}boxes-" + (f"{s['n_filled']}filled-" if s["n_filled"] else "")
                  + f"{s['n_objects']}objects-{s['min_ops']}to{s['max_ops']}ops")
         # The constants that shape an example, hashed into the name: edit one, get a new file.
-        rules = hashlib.sha256(repr((OBJECTS, LETTERS, VOCAB, MAX_ITEMS,
-                                     ADVANCED_MOVE_PROBABILITY)).encode())
+        rules = repr((OBJECTS, LETTERS, VOCAB, MAX_ITEMS, ADVANCED_MOVE_PROBABILITY)).encode()
         filename = (f"boxes-{version}-{sizes}-seed{seed}-{n_train}+{n_test}-"
-                    f"{rules.hexdigest()[:8]}.pt")
+                    f"{hashlib.sha256(rules).hexdigest()[:8]}.pt")
         path = os.path.join(cache_dir, filename) if cache_dir else None
         if path and os.path.exists(path):
-            data = _read_dataset(path, os.path.getmtime(path))
+            data = read_dataset(path, os.path.getmtime(path))
         else:
             train_signatures, test_signatures = signature_split(version, seed, **self.sizes)
             data = {"train": self._generate(n_train, train_signatures, f"{seed}-train"),
                     "test": self._generate(n_test, test_signatures, f"{seed}-test")}
             longest = max(int((rows != PAD).sum(1).max()) for rows in data.values())
-            # The longest example, rounded up to 64: the datasets of one configuration drawn with
-            # another --n_train or --data_seed then mostly share a block_size, so a model trained
-            # on one reads the other.
+            # Rounded up to 64: other --n_train or --data_seed then mostly share a block_size.
             block_size = -(-longest // 64) * 64
             data = {name: rows[:, :block_size].clone() for name, rows in data.items()}
             if path:
@@ -752,14 +560,9 @@ class Boxes(Task):
         self.rows = data  # {split: (N, block_size) uint8 token ids}
         self.block_size = data["train"].size(1)
 
-    @functools.cached_property
-    def train_length(self):
-        return int((self.rows["train"] != PAD).sum(1).max())  # a batch is cut to its longest
-
     def _generate(self, n, signatures, stream):
         rng = random.Random(f"boxes-{self.version}-{stream}")
-        # Room for any example: <= 13 tokens per described box, per answered box and per
-        # operation, plus 3 specials; trimmed to the longest example afterwards.
+        # <= 13 tokens per described box, per answered box and per operation, and 3 specials
         width = 3 + 2 * 13 * self.sizes["n_boxes"] + 13 * self.sizes["max_ops"]
         rows = torch.zeros(n, width, dtype=torch.uint8)
         for i in tqdm(range(n), desc=f"boxes {self.version} {stream}",
@@ -773,19 +576,10 @@ class Boxes(Task):
         rows = self.rows[split]
         return self.batch(rows[torch.randint(len(rows), (batch_size,), generator=generator)])
 
-    def evaluation_batches(self, n_samples, batch_size, generator):
-        """The first n_samples test rows in order, each once: the prompts write_answers answers,
-        so a greedy model's share of whole sequences right equals its exact match."""
-        rows = self.rows["test"][:n_samples]
-        for start in range(0, len(rows), batch_size):
-            yield self.batch(rows[start:start + batch_size])
-
     def batch(self, rows):
-        """(x, y) of dataset rows (B, block_size)."""
+        """(x, y) of dataset rows (B, block_size), cut to the longest row of the batch."""
         x = rows.long()
-        # Cut the padding every row of this batch shares: advanced rows average ~130 tokens in a
-        # block of 384, so the trimmed batch costs a fraction of the full one, and scores the same.
-        x = x[:, :int((x != PAD).sum(1).max())]
+        x = x[:, :int((x != PAD).sum(1).max())]  # padding every row shares: it scores the same
         positions = torch.arange(x.size(1))
         sep = (x == SEP).int().argmax(1, keepdim=True)
         eos = (x == EOS).int().argmax(1, keepdim=True)
@@ -793,202 +587,116 @@ class Boxes(Task):
         y = torch.where(answer, x.roll(-1, dims=1), -1)
         return x, y
 
-    def render_answer(self, boxes):
-        """The answer this version expects for final contents `boxes`: the default names every
-        box, empty ones included; the advanced only the boxes that hold something."""
-        return render_answer(boxes, with_empty=self.version == "default")
-
-    def _read(self, row):
-        """(position of <sep>, answer token ids with <eos>, depth of each) from a row's prompt."""
-        row = row.tolist()
-        sep = row.index(SEP)
-        boxes, depths = simulate(decode(row[1:sep]))
-        answer = encode(self.render_answer(boxes)) + [EOS]
-        depth = []
-        for k, token in enumerate(answer):  # a clause's tokens, and <eos>, belong to its box
-            if token == TOKEN_IDS["Box"]:
-                box = VOCAB[answer[k + 1]]
-            depth.append(depths[box])
-        return sep, answer, depth
-
     def _along_answers(self, x, want_depth):
-        """(B, T): -1 outside each row's answer, and along it the answer ids or their depths."""
+        """(B, T): along each row's answer the simulator's answer ids or depths, else -1."""
         out = torch.full_like(x, -1)
-        for r in range(x.size(0)):
-            sep, answer, depth = self._read(x[r])
+        for r, row in enumerate(x.tolist()):
+            sep = row.index(SEP)
+            boxes, depths = simulate(decode(row[1:sep]))
+            answer = encode(render_answer(boxes, self.version == "default")) + [EOS]
+            depth = []
+            for k, token in enumerate(answer):  # a clause's tokens, and <eos>, belong to its box
+                if token == TOKEN_IDS["Box"]:
+                    box = VOCAB[answer[k + 1]]
+                depth.append(depths[box])
             values = depth if want_depth else answer
             n = min(len(values), x.size(1) - sep)
             out[r, sep:sep + n] = torch.tensor(values[:n])
         return out
 
     def solve(self, x):
-        """Labels recomputed from each prompt's text by the simulator: the tests' reference."""
         return self._along_answers(x, want_depth=False)
 
     def chain_depth(self, x):
         return self._along_answers(x, want_depth=True)
 
     def prompt_and_answer(self, i, split="test"):
-        """Row i of a split as (prompt ids <bos>...<sep>, expected answer text), for exact match:
-        generate after the prompt until <eos> and compare decode() of it with the answer."""
+        """Row i of a split as (prompt ids <bos>...<sep>, expected answer text)."""
         row = self.rows[split][i].long()
         sep, eos = row.tolist().index(SEP), row.tolist().index(EOS)
         return row[:sep + 1], decode(row[sep + 1:eos])
 
-    def score_answer(self, prompt, answer_text):
-        """How right a written answer is, against the simulator run on the prompt (ids <bos>..<sep>).
-
-        Returns (exact, boxes): exact is True when the text is the expected answer word for word;
-        boxes is a list of (chain depth, right) for every box the expected answer names (every box
-        in the default version, the filled ones in the advanced), where right means the answer gives
-        that box exactly its contents. A clause that does not parse counts as missing, so a
-        garbled answer scores the boxes it does state.
-        """
-        truth, depths = simulate(decode(prompt[1:-1]))
-        expected = self.render_answer(truth)
-        stated = parse_answer(answer_text)
-        boxes = [(depths[box], stated.get(box) == items) for box, items in sorted(truth.items())
-                 if items or self.version == "default"]
-        return answer_text == expected, boxes
-
     def write_answers(self, model, n, batch_size, device="cpu", autocast=contextlib.nullcontext()):
-        """The model's answers to the first n test prompts, as texts: greedy generation after each
-        prompt until <eos>, batch_size prompts at a time, with the cache where the model can
-        (GPT.can_cache)."""
+        """The model's greedy answers to the first n test prompts, as texts."""
         answers = []
-        for start in range(0, n, batch_size):
-            prompts = [self.prompt_and_answer(i)[0] for i in range(start, min(n, start + batch_size))]
+        for first in range(0, n, batch_size):
+            prompts = [self.prompt_and_answer(i)[0] for i in range(first, n)[:batch_size]]
             lengths = torch.tensor([len(p) for p in prompts])
             padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(device)
             with autocast:
                 out = model.generate(padded, model.config.block_size - int(lengths.max()),
-                                     temperature=0, use_cache=model.can_cache(),
+                                     temperature=0, use_cache="cache" in model.config.abilities(),
                                      stop_token=EOS, prompt_lengths=lengths).cpu()
-            answers += [decode(until_eos(row[length:]), keep_pad=True)
+            answers += [decode(row[length:], written=True)
                         for length, row in zip(lengths.tolist(), out.tolist())]
         return answers
 
     def score_answers(self, answers):
-        """Scores of the answers to the first len(answers) test prompts: exact match, overall and
-        by the answer's depth, and the share of boxes stated exactly, overall and by the box's.
-
-        An answer's depth is its deepest box's. Exact match by it separates the answers whose
-        chains a model follows from those it does not; box accuracy by depth cannot, where boxes
-        share a fate: with two filled boxes, a model that loses one item's chain may write the two
-        items swapped, and its shallow box is wrong with its deep one.
-        """
+        """Exact match of the answers to the first test prompts, and boxes right, by depth."""
         answer_scores, box_scores = [], []  # (depth, right) of every answer, of every box
         for i, text in enumerate(answers):
-            right, boxes = self.score_answer(self.prompt_and_answer(i)[0], text)
-            answer_scores.append((max((depth for depth, _ in boxes), default=0), right))
+            prompt, expected = self.prompt_and_answer(i)
+            truth, depths = simulate(decode(prompt[1:-1]))
+            stated = parse_answer(text)
+            boxes = [(depths[box], stated.get(box) == items) for box, items in
+                     sorted(truth.items()) if items or self.version == "default"]
+            answer_scores.append((max((depth for depth, _ in boxes), default=0), text == expected))
             box_scores += boxes
         return {"eval_exact_match": share_right(answer_scores),
-                "eval_exact_match_by_depth": share_right_by_depth(answer_scores),
+                "eval_exact_match_by_depth": share_right(answer_scores, by_depth=True),
                 "eval_box_acc": share_right(box_scores),
-                "eval_box_acc_by_depth": share_right_by_depth(box_scores)}
+                "eval_box_acc_by_depth": share_right(box_scores, by_depth=True)}
 
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        """Task.evaluate's scores, then those of the answers to the first n_samples test prompts
-        (the same ones at every evaluation) written by greedy generation, as a user of the model
-        would get them (write_answers, score_answers)."""
-        metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
-        n = min(n_samples, len(self.rows["test"]))
-        return {**metrics, **self.score_answers(self.write_answers(model, n, batch_size, device,
-                                                                   autocast))}
-
-    def example(self, generator, prompt=None, length=None):
-        """A test prompt drawn with generator, or a typed prompt text: (ids <bos>..<sep>, length)."""
-        if length is not None:
-            return super().example(generator, length=length)
-        if prompt is None:
-            ids = self.prompt_and_answer(int(torch.randint(len(self.rows["test"]), (1,),
-                                                           generator=generator)))[0]
-        else:
-            prompt = " ".join(prompt.split())  # a newline or a trailing space is no new word
-            prompt += "." if prompt and not prompt.endswith(".") else ""  # as training prompts end
-            try:
-                ids = torch.tensor([BOS, *encode(prompt), SEP])
-                simulate(prompt)  # a prompt the simulator cannot follow has no right answer
-            except ValueError as error:
-                raise ValueError(f"--prompt: {error}") from None
-        return ids[None], len(ids)
+        """Loss and accuracy on the first n_samples test rows, then their written answers'."""
+        rows = self.rows["test"][:n_samples]
+        batches = (self.batch(rows[start:start + batch_size])
+                   for start in range(0, len(rows), batch_size))
+        metrics = score_batches(model, batches, self, device, autocast)
+        answers = self.write_answers(model, len(rows), batch_size, device, autocast)
+        return {**metrics, **self.score_answers(answers)}
 
     def encode(self, text):
-        """Token ids (T,) of a boxes text: its words and punctuation (the module's encode)."""
-        return torch.tensor(encode(text), dtype=torch.long)
-
-    def decode(self, ids):
-        return decode(ids)
+        """Token ids (T,) of a boxes text; one without specials is framed <bos> text <sep>."""
+        ids = encode(text)
+        return torch.tensor(ids if "<" in text else [BOS, *ids, SEP], dtype=torch.long)
 
     def describe(self, x, y=None, predictions=None):
-        """Readable lines about one row x (T,): the prompt, the expected answer, and the model's.
-        With predictions, the model's tokens along the answer (read with the true answer before
-        them); without, the answer written in x after <sep>, if any, scored as evaluate() scores
-        it."""
         ids = x.tolist()
         sep = ids.index(SEP)
-        truth, _ = simulate(decode(ids[1:sep]))
-        lines = [f"prompt: {decode(ids[1:sep])}",
-                 f"truth : {self.render_answer(truth)}"]
-        if predictions is not None:
-            lines.append(self.describe_predictions(x, y, predictions))
-        elif len(ids) > sep + 1:
-            answer = decode(until_eos(ids[sep + 1:]), keep_pad=True)
-            exact, boxes = self.score_answer(x[:sep + 1], answer)
-            lines.append(f"model : {answer}")
-            lines.append(f"exact match: {'yes' if exact else 'no'}; boxes right "
-                         f"{sum(right for _, right in boxes)}/{len(boxes)}")
-        return "\n".join(lines)
+        truth = render_answer(simulate(decode(ids[1:sep]))[0], self.version == "default")
+        written = decode(ids[sep + 1:], written=True) if len(ids) > sep + 1 else None
+        return answer_lines(self, x, y, predictions, decode(ids[1:sep]), truth, written)
 
 
 # ----------------------------------------------------------------------------------------------
 # Regular languages: the twelve length-generalisation tasks of RegularGPT (Chi et al. 2023,
-# Table 1): four from Deletang et al.'s Chomsky-hierarchy suite, and Bhattamishra et al.'s D_n and
-# Tomita languages recast as recognition. One label per sequence, at its last position; train on
-# short strings, test on every longer length.
+# Table 1), from Deletang et al.'s Chomsky-hierarchy suite and Bhattamishra et al.'s D_n and Tomita.
 
 
 class LabelAtEnd(Task):
     """What the twelve regular-language tasks share: one label per sequence, at its last token.
 
-    The vocabulary is the input symbols, then the class tokens, so a GPT's LM head reads the
-    label out. A batch has one length, drawn uniformly from train_lengths unless sample() is
-    given one. Only the last position is scored; for parity at length 5:
-
-        x   0   1   1   0   1       token ids 0 1 1 0 1
-        y  -1  -1  -1  -1  odd      "odd" is token 3 (after the symbols 0, 1 and the class even)
-
-    A subclass names its symbols and classes, labels a batch in _draw (torch), and labels one
-    string in answer() by a separate plain-Python route, which solve() uses. The last evaluation
-    of a run also scores length_samples fresh strings at every test length (longer than any
-    trained on): the share right per length, and their mean, the RegularGPT paper's score.
-    """
+    The vocabulary is the input symbols, then the class tokens, so the LM head reads the label
+    out: parity's x = 0 1 1 0 1 has y = -1 -1 -1 -1 3 (3: "odd", after 0, 1, even). A batch has
+    one length, uniform over train_lengths unless sample() is given one. A subclass labels a
+    batch in _draw (torch) and one string in answer() (for solve()). The last evaluation also
+    scores every test length: the share right, and its mean (the paper's score)."""
 
     name, symbols, classes = None, [], []
     default_lengths = (40, 500)  # (longest training length, longest test length)
-    # Where the regular languages differ from train.py's defaults (d 128, batch 32, lr 3e-3,
-    # 1,000 steps): parity sits on a plateau near 50% first, and when a run leaves it varies
-    # from seed to seed by thousands of steps. With these, RegularGPT (C = 2) learns it on a
-    # 2-core CPU within the 5,000 steps in every seed we tried; with the defaults it does not.
+    # Parity sits on a plateau near 50% first: with these RegularGPT learns it in every seed tried.
     train_defaults = {"n_embd": 64, "batch_size": 64, "lr": 1e-3, "max_iters": 5000}
-    flags = {"max_train_length": dict(type=int, help="regular languages: train on lengths "
-                                      "1..this (40, or 50 for d_n and tomita)"),
-             "max_test_length": dict(type=int, help="regular languages: at the end, test every "
-                                     "longer length up to this (500, or 100)"),
-             "length_samples": dict(type=int, help="regular languages: strings per test length "
-                                    "(128)")}
+    flags = {"max_train_length": dict(type=int, help="regular: train on lengths 1..this (40, 50)"),
+             "max_test_length": dict(type=int, help="regular: at the end, test up to this (500)"),
+             "length_samples": dict(type=int, help="regular: strings per test length (128)")}
 
     def __init__(self, max_train_length=None, max_test_length=None, length_samples=128):
         train_max = self.default_lengths[0] if max_train_length is None else max_train_length
         test_max = self.default_lengths[1] if max_test_length is None else max_test_length
-        if train_max < 1:
-            raise ValueError(f"--max_train_length {train_max} must be at least 1")
-        if test_max <= train_max:
-            raise ValueError(f"--max_test_length {test_max} must exceed --max_train_length "
-                             f"{train_max}: test lengths start right after the training ones")
-        if length_samples < 1:
-            raise ValueError(f"--length_samples {length_samples} must be at least 1")
+        check_ranges(max_train_length=(train_max, 1), max_test_length=(test_max, train_max + 1),
+                     length_samples=(length_samples, 1))
         self.length_samples = length_samples
         self.train_lengths = range(1, train_max + 1)
         self.test_lengths = range(train_max + 1, test_max + 1)
@@ -996,16 +704,10 @@ class LabelAtEnd(Task):
         self.vocab = list(self.symbols) + list(self.classes)
         self.vocab_size = len(self.vocab)
 
-    @property
-    def train_length(self):
-        return self.train_lengths[-1]
-
     def sample(self, batch_size, generator=None, split="train", length=None):
         if length is None:  # drawn with the data's generator, so a seeded run repeats
             pick = torch.randint(len(self.train_lengths), (1,), generator=generator).item()
             length = self.train_lengths[pick]
-        if length < 1:
-            raise ValueError(f"{self.name}: length {length} must be at least 1")
         x, labels = self._draw(batch_size, length, generator)
         y = torch.full_like(x, -1)
         y[:, -1] = labels + len(self.symbols)  # class k is token len(symbols) + k
@@ -1015,54 +717,35 @@ class LabelAtEnd(Task):
         # One state update per token: accuracy by depth is accuracy by length.
         return torch.full_like(x, x.size(1))
 
-    def evaluation_batches(self, n_samples, batch_size, generator):
-        """One length per batch, so a few batches would cover a few lengths and the score would
-        swing with which ones: the samples are spread evenly over every training length."""
-        lengths = self.train_lengths
-        for i, length in enumerate(lengths):
-            # n_samples // len(lengths) each, the remainder spread over evenly spaced lengths
-            share = n_samples * (i + 1) // len(lengths) - n_samples * i // len(lengths)
-            for start in range(0, share, batch_size):
-                yield self.sample(min(batch_size, share - start), generator, length=length)
-
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
+        """n_samples spread over every training length; at the end, accuracy by test length."""
+        def batches(lengths, n, size):
+            for i, length in enumerate(lengths):
+                # n // len(lengths) each, the remainder spread over evenly spaced lengths
+                share = n * (i + 1) // len(lengths) - n * i // len(lengths)
+                for start in range(0, share, size):
+                    yield self.sample(min(size, share - start), generator, length=length)
+
+        metrics = score_batches(model, batches(self.train_lengths, n_samples, batch_size), self,
+                                device, autocast)
         if final:
-            by_length = self.accuracy_by_length(model, generator, device, autocast)
-            metrics.update(length_acc=by_length, length_score=sum(by_length.values()) / len(by_length))
+            by_length = {}
+            for n in tqdm(self.test_lengths, desc="test lengths", disable=None, leave=False):
+                size = max(1, min(self.length_samples, 2 ** 16 // n))  # 2^16 tokens a batch
+                by_length[str(n)] = score_batches(model, batches([n], self.length_samples, size),
+                                                  self, device, autocast)["eval_whole_sequences"]
+            metrics.update(length_acc=by_length,
+                           length_score=sum(by_length.values()) / len(by_length))
         return metrics
 
-    def accuracy_by_length(self, model, generator, device="cpu", autocast=contextlib.nullcontext()):
-        """{length: share of length_samples fresh strings labelled right} at every test length.
-        Batches hold up to 2^16 tokens."""
-        accuracy = {}
-        for length in tqdm(self.test_lengths, desc="test lengths", disable=None, leave=False):
-            per_batch = max(1, min(self.length_samples, 2 ** 16 // length))
-            batches = (self.sample(min(per_batch, self.length_samples - start), generator,
-                                   length=length)
-                       for start in range(0, self.length_samples, per_batch))
-            scores = score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
-            accuracy[str(length)] = scores["eval_whole_sequences"]
-        return accuracy
-
-    def example(self, generator, prompt=None, length=None):
-        if length is None or prompt is not None:
-            return super().example(generator, prompt=prompt)
-        if length < 1:
-            raise ValueError(f"--length {length} must be at least 1")
-        x, _ = self.sample(1, generator, length=length)
-        return x, length
-
     def solve(self, x):
-        """Labels of x (B, T) from answer(), one string at a time: the tests' reference."""
         y = torch.full_like(x, -1)
         for row, ids in enumerate(x.tolist()):
             y[row, -1] = self.vocab.index(self.answer([self.vocab[i] for i in ids]))
         return y
 
     def describe(self, x, y=None, predictions=None):
-        """Two lines about one sequence x (T,): the string (middle cut if long) and labels."""
         words = [self.vocab[i] for i in x.tolist()]
         if len(words) > 60:
             words = words[:28] + ["…"] + words[-28:]
@@ -1076,14 +759,8 @@ class LabelAtEnd(Task):
 
 
 class EvenPairs(LabelAtEnd):
-    """Even pairs: is the number of neighbouring pairs that differ (01 or 10) even or odd?
-
-    Bits are uniform. Vocabulary 0 1 even odd. The count is odd exactly when the first and last
-    bits differ, so two tokens decide it. Lengths: train 1..40, test 41..500.
-
-        even_pairs example: 0 1 1 0 1 -> odd
-    (pairs 01, 11, 10, 01: three differ.)
-    """
+    """Even pairs: is the number of neighbouring bits that differ even or odd (uniform bits)?
+    even_pairs: 0 1 1 0 1 -> odd (01, 11, 10, 01 differ: three); odd when the ends differ."""
 
     name, symbols, classes = "even_pairs", ["0", "1"], ["even", "odd"]
 
@@ -1092,19 +769,12 @@ class EvenPairs(LabelAtEnd):
         return bits, (bits[:, 0] != bits[:, -1]).long()
 
     def answer(self, symbols):
-        changes = sum(a != b for a, b in itertools.pairwise(symbols))
-        return self.classes[changes % 2]
+        return self.classes[sum(a != b for a, b in itertools.pairwise(symbols)) % 2]
 
 
 class Parity(LabelAtEnd):
-    """Parity check: is the number of 1s even or odd?
-
-    Each bit is 1 with probability p_one (0.5 by default; the paper's Table 2 tries 0.1..0.9
-    without saying for which split: we use it for both). Vocabulary 0 1 even odd.
-    Lengths: train 1..40, test 41..500.
-
-        parity example: 0 1 1 0 1 -> odd
-    """
+    """Parity check: is the number of 1s even or odd? parity: 0 1 1 0 1 -> odd. Each bit is 1 with
+    probability p_one (0.5; the paper's Table 2 tries 0.1..0.9, in both splits)."""
 
     name, symbols, classes = "parity", ["0", "1"], ["even", "odd"]
     flags = {**LabelAtEnd.flags, "p_one": dict(type=float, help="parity: probability of a 1 "
@@ -1125,14 +795,8 @@ class Parity(LabelAtEnd):
 
 
 class CycleNavigation(LabelAtEnd):
-    """Cycle navigation: walk on a cycle of 5 positions from 0; where do you end?
-
-    Moves left (-1), stay (0) and right (+1) are uniform. Vocabulary left stay right, then the
-    final positions =0 =1 =2 =3 =4. Lengths: train 1..40, test 41..500.
-
-        cycle_navigation example: left left stay right left -> =3
-    (-1 -1 +0 +1 -1 = -2, and -2 mod 5 = 3.)
-    """
+    """Cycle navigation: walk on a cycle of 5 positions from 0 by uniform moves; where do you
+    end? cycle_navigation: left left stay right left -> =3 (-2 mod 5)."""
 
     name, symbols = "cycle_navigation", ["left", "stay", "right"]
     classes = [f"={k}" for k in range(5)]
@@ -1146,19 +810,9 @@ class CycleNavigation(LabelAtEnd):
 
 
 class ModularArithmetic(LabelAtEnd):
-    """Modular arithmetic: the value, mod 5, of an expression over the digits 0..4 with + - *.
-
-    Digits and operators are uniform; * binds before + and -, and the value is taken mod 5 in
-    Python's sense (never negative). An odd length T is n0 op n1 ... op nk, as DeepMind's task;
-    an even length gets a leading +, so every length is valid and an even string is (op, digit)
-    pairs. (The RegularGPT fork cuts every even length to odd and then prepends +, so all its
-    strings are even-length pairs.) Vocabulary 0 1 2 3 4 + - * =0 =1 =2 =3 =4. Lengths: train
-    1..40, test 41..500.
-
-        modular_arithmetic example: 3 - 4 * 2 + 1 -> =1
-        modular_arithmetic example: + 3 - 4 * 2 + 1 -> =1
-    (3 - 8 + 1 = -4, and -4 mod 5 = 1.)
-    """
+    """Modular arithmetic: the value, mod 5, of uniform digits 0..4 and operators + - * (* binds
+    first): modular_arithmetic: 3 - 4 * 2 + 1 -> =1 (-4 mod 5). An odd length is n0 op n1 ...
+    op nk, as DeepMind's task; an even length gets a leading +."""
 
     name = "modular_arithmetic"
     symbols = ["0", "1", "2", "3", "4", "+", "-", "*"]
@@ -1172,7 +826,6 @@ class ModularArithmetic(LabelAtEnd):
         ops[:, 0] = self.PLUS  # the first digit is always added, whether or not a + is shown
         pairs = torch.stack([ops, digits], dim=2).view(batch_size, 2 * n_digits)  # op, digit, ...
         x = pairs if leading_plus else pairs[:, 1:]
-
         # Left to right: `total` holds the finished terms, `term` the product being built.
         # + and - close the term and open a new one with their sign; * extends it.
         total = term = torch.zeros(batch_size, dtype=torch.long)
@@ -1184,10 +837,7 @@ class ModularArithmetic(LabelAtEnd):
         return x, (total + term) % 5
 
     def answer(self, symbols):
-        """By the rule of precedence, apart from _draw's left-to-right pass: the signed terms
-        between + and -, each the product of its digits. (Python's eval of the text would be
-        the plainest reference, but its parser nests one level per operator and gives up on
-        strings of some thousands of symbols, which sample.py --length may ask for.)"""
+        """By precedence: the signed terms between + and -, each the product of its digits."""
         terms = re.findall(r"([+-]?)((?:[0-4]\*)*[0-4])", "".join(symbols))
         total = sum((-1 if sign == "-" else 1) * math.prod(map(int, product.split("*")))
                     for sign, product in terms)
@@ -1197,22 +847,9 @@ class ModularArithmetic(LabelAtEnd):
 class DFARecognition(LabelAtEnd):
     """Recognition of a regular language given by a DFA: label yes (a member) or no.
 
-    Batches are balanced: half members, half not, shuffled, whenever the length has both;
-    all one class when it has only one (e.g. D_n at odd lengths has no members).
-
-    Members are UNIFORM among the members of that exact length: count, for each DFA state q and
-    remaining length r, the strings of length r that lead from q to acceptance, then write left
-    to right, picking each symbol in proportion to the count of the state it leads to. The
-    papers' generators are not uniform (the RegularGPT fork's D_n puts about 3/4 of the string
-    into a deep first nest); uniform is fixed by the language alone, reaches every member, and
-    leaves no generator habit (a deep first nest means yes) to learn instead of the language.
-    Non-members are uniform among non-members, the distribution the papers get by rejecting
-    members from uniform random strings, drawn by the same walk on the complement (no resampling
-    loop). Random non-members are rarely near-misses: easier than membership in general.
-
-    The DFA serves sample() only; answer() checks membership in plain Python (is_member).
-    Lengths: train 1..50, test 51..100.
-    """
+    Batches are half members, half not (where the length has both), each uniform among the
+    strings of its kind and length (a symbol drawn in proportion to the strings completing it);
+    is_member() checks apart."""
 
     classes = ["no", "yes"]
     default_lengths = (50, 100)
@@ -1221,10 +858,8 @@ class DFARecognition(LabelAtEnd):
                  length_samples=128):
         super().__init__(max_train_length, max_test_length, length_samples)
         self.transitions = torch.tensor(transitions)  # (states, symbols): next state; start is 0
-        accepts = torch.zeros(len(transitions), dtype=torch.bool)
-        accepts[list(accepting)] = True
-        # _counts[want][r][q] is proportional to the number of strings of length r that lead
-        # from state q to an accepting state (want=True) or to a rejecting one (want=False).
+        accepts = torch.isin(torch.arange(len(transitions)), torch.tensor(accepting))
+        # _counts[want][r][q] ~ the strings of length r from state q to acceptance (or not).
         self._counts = {True: [accepts.double()], False: [(~accepts).double()]}
 
     def _count_table(self, want, length):
@@ -1265,16 +900,8 @@ class DFARecognition(LabelAtEnd):
 
 
 class BoundedDyck(DFARecognition):
-    """D_n: balanced brackets never nested deeper than n (Bhattamishra et al.; d2, d3, d4, d12).
-
-    a opens, b closes; a member never closes more than it opened, never goes deeper than n, and
-    ends at depth 0. D_1 = (ab)*, D_2 = (a(ab)*b)*. Vocabulary a b no yes. The DFA's states are
-    the depths 0..n, plus a dead state for either mistake.
-
-        d2 example: a a b a b b a b -> yes
-        d2 example: a a a b b b -> no
-    (the second reaches depth 3.)
-    """
+    """D_n: balanced brackets never nested deeper than n (Bhattamishra et al.; d2, d3, d4, d12),
+    a opening and b closing: d2: a a b a b b a b -> yes. The DFA's states: depths 0..n, dead."""
 
     symbols = ["a", "b"]
 
@@ -1294,21 +921,10 @@ class BoundedDyck(DFARecognition):
 
 
 class Tomita(DFARecognition):
-    """Tomita grammars 3 to 6 over 0 1 (Bhattamishra et al.; tomita3..tomita6).
-
-    T3: no odd-length run of 1s directly followed by an odd-length run of 0s.
-    T4: no 000 anywhere.  T5: an even number of 0s and an even number of 1s.
-    T6: (number of 0s - number of 1s) divisible by 3.  Vocabulary 0 1 no yes.
-
-        tomita3 example: 1 1 1 0 0 1 1 -> yes
-        tomita3 example: 0 1 0 1 1 -> no
-        tomita4 example: 1 0 0 1 0 0 -> yes
-        tomita4 example: 1 0 0 0 1 -> no
-        tomita5 example: 0 1 1 0 -> yes
-        tomita5 example: 0 1 1 1 -> no
-        tomita6 example: 0 0 1 1 1 1 1 -> yes
-        tomita6 example: 0 1 1 -> no
-    """
+    """Tomita grammars 3 to 6 over 0 1 (Bhattamishra et al.). T3: no odd-length run of 1s directly
+    followed by an odd-length run of 0s (tomita3: 1 1 1 0 0 1 1 -> yes). T4: no 000
+    (tomita4: 1 0 0 0 1 -> no). T5: even numbers of 0s and of 1s (tomita5: 0 1 1 0 -> yes).
+    T6: the 0s minus the 1s divisible by 3 (tomita6: 0 1 1 -> no)."""
 
     symbols = ["0", "1"]
     # (transitions, accepting): row q lists the next state after reading 0 and after 1.
@@ -1341,26 +957,15 @@ class Tomita(DFARecognition):
 
 
 # ----------------------------------------------------------------------------------------------
-# LEGO, Learning Equality and Group Operations (Zhang et al. 2022, Sections 2-4): a chain of
-# assignments written in shuffled order, every variable's value asked for at once.
-
-# Each group acts on a set of values: (op tokens, value tokens, images), where images[g][v] is
-# the index of the value that op g sends value v to. Z2 acts on {0, 1}. S3 acts on itself (the
-# paper's Task 2): its values are its own six elements, each written as its images (120 sends
-# 0 to 1, 1 to 2 and 2 to 0), its ops the same six with a p (p012 is the identity), and op g
-# sends value x to the product g·x, left multiplication.
+# LEGO, Learning Equality and Group Operations (Zhang et al. 2022, Sections 2-4).
+# Each group: (op tokens, value tokens, images), images[g][v] the value op g sends value v to.
+# S3 acts on itself: a value is written as its images (120 sends 0 to 1, 1 to 2, 2 to 0), an op
+# is the same with a p (p012 is the identity), and op g sends value x to g·x.
 S3 = list(itertools.permutations(range(3)))  # (p(0), p(1), p(2)) for each permutation p
-
-
-def s3_product(g, x):
-    """g·x = g∘x: apply x first, then g, so i goes to g(x(i))."""
-    return tuple(g[x_i] for x_i in x)
-
-
 LEGO_GROUPS = {
     "z2": (["+", "-"], ["0", "1"], [[0, 1], [1, 0]]),
     "s3": (["p" + "".join(map(str, g)) for g in S3], ["".join(map(str, x)) for x in S3],
-           [[S3.index(s3_product(g, x)) for x in S3] for g in S3]),
+           [[S3.index(tuple(g[i] for i in x)) for x in S3] for g in S3]),  # g·x = g∘x
 }
 LEGO_WORDS = ["[CLS]", "[SEP]", "=", ","] + list("abcdefghijklmnopqrstuvwxyz")
 LEGO_CLS, LEGO_SEP, LEGO_EQUALS, LEGO_COMMA, LEGO_FIRST_VARIABLE = range(5)
@@ -1369,89 +974,41 @@ LEGO_CLS, LEGO_SEP, LEGO_EQUALS, LEGO_COMMA, LEGO_FIRST_VARIABLE = range(5)
 class LEGO(Task):
     """LEGO (Zhang et al. 2022): resolve a chain of n assignments written in shuffled order.
 
-    A sentence is n clauses (n_vars, 12 by default), each five tokens `var = op arg ,`, between
-    [CLS] and [SEP]: 5n + 2 tokens. The n variables are distinct letters of a..z. The chain's
-    root assigns a value (`b = + 1 ,` sets b to 1); every other clause applies
-    an op to the variable of the clause before it in the chain (`c = - b ,` sets c to -b, the
-    flip of b). The clauses are then shuffled, root included: the chain is only found by
-    matching equal variable names anywhere in the sentence.
-
-    The root's op is always the identity (+, or p012 in S3) and its value is uniform, as in the
-    official code (`l = val 0 ,`); the paper's text fixes the value to 1, which would make #0 a
-    constant. A random op at the root would make #0 the XOR of two tokens, which no single token
-    predicts: training then sits at chance even on #0, and never climbs the chain.
-
-    group="z2", the paper's Task 1: ops + (keep) and - (flip) on the values 0 and 1.
-    group="s3", Task 2: S3 acting on itself. The values are the six permutations of 0 1 2,
-    each written as its images (012 ... 210), the ops the same six with a p (p012 ... p210, see
-    LEGO_GROUPS), and `y = p021 x ,` sets y to the product p021·x, left multiplication.
-    The other ops, the root's value and the variables are uniform, so each value is uniform too.
-
-    Worked example, z2, n = 3: the sentence [CLS] a = - c , b = + 1 , c = - b , [SEP] (the
-    chain b -> c -> a), its labels y (value tokens; "-" is -1, not scored) and chain_depth:
+    n clauses (n_vars, 12) `var = op arg ,` of distinct letters, between [CLS] and [SEP]. The
+    root applies the identity to a uniform value (`b = + 1 ,`), each other clause an op to the
+    variable before it in the chain (`c = - b ,`). z2 (Task 1): + keeps and - flips 0 and 1;
+    s3 (Task 2): S3 acting on itself (`y = p021 x ,`: x, then p021). z2, n = 3:
 
         position  0        1  2  3  4  5  6  7  8  9 10 11 12 13 14 15  16
         token     [CLS]    a  =  -  c  ,  b  =  +  1  ,  c  =  -  b  ,  [SEP]
         y         -        1  -  -  -  -  1  -  -  -  -  0  -  -  -  -  -
         chain     -        2  -  -  -  -  0  -  -  -  -  1  -  -  -  -  -
 
-    b = +1 = 1 is the root (chain #0), c = -b = 0 is #1, a = -c = 1 is #2. Labels sit on each
-    clause's first token, its left-hand variable; chain_depth(x) gives its chain position
-    there and -1 elsewhere. The first clause, a's, needs c, written after it: a causal model
-    cannot know a when it reads it, so LEGO needs a bidirectional, BERT-like model, as in the
-    paper: train.py refuses a run without --bidirectional.
-
-    Worked example, s3, n = 3: [CLS] b = p201 c , a = p012 120 , c = p021 a , [SEP], the chain
-    a -> c -> b. The root gives a = 120 (0->1, 1->2, 2->0). c = p021·a applies a, then p021
-    (0->0, 1->2, 2->1): 0->1->2, 1->2->1, 2->0->0, so c = 210. b = p201·c: 0->2->1, 1->1->0,
-    2->0->2, so b = 102. Resolved: #0 a=120  #1 c=210  #2 b=102. Multiplying on the right
-    instead would give c = a·p021 = 102: S3 is not abelian, so the order is part of the task.
-
-    Vocabulary: [CLS] [SEP] = , a..z, then the group's ops, then its values: 34 tokens for
-    z2, 42 for s3. broadcast_ids = ([CLS], [SEP]) for LEGO attention; values = the value
-    token ids, the only possible labels.
-
-    Scored: every chain position, or #0..#n_supervised-1 only (the paper trains on #0..#5 of
-    12 and tests all 12: length extrapolation); supervise_last also trains on #n-1 (Section
-    4.3's shortcut experiment, #0..#4 plus #11). The test split scores every position, so
-    accuracy by depth is accuracy per chain position, the curves of Figure 3.
-    Sentences are fresh every batch (the paper's released code draws a fixed 120k set once).
+    A label sits on its clause's variable: a's needs c, written after it (a bidirectional
+    model). Training scores chain positions #0..#n_supervised-1 (all by default), plus #n-1 with
+    supervise_last (Section 4.3); the test scores every one.
     """
 
-    labels_from_later = True  # a clause's label sits on its first token, before its op and argument
-    flags = {"group": dict(choices=["z2", "s3"],
-                           help="lego: Task 1 (+/- on 0, 1) or 2 (S3 acting on itself) (z2)"),
+    needs = frozenset({"bidirectional"})
+    flags = {"group": dict(choices=["z2", "s3"], help="lego: Task 1 (+/- on 0, 1) or 2 (S3) (z2)"),
              "n_vars": dict(type=int, help="lego: clauses (variables) per sentence (12)"),
-             "n_supervised": dict(type=int, help="lego: train on chain positions #0.."
-                                  "#n_supervised-1 only (all); the test scores all"),
-             "supervise_last": dict(action="store_const", const=True, help="lego: also train on "
-                                    "the last chain position (the shortcut experiment)")}
+             "n_supervised": dict(type=int, help="lego: train on chain positions #0..this-1 (all)"),
+             "supervise_last": dict(action="store_const", const=True,
+                                    help="lego: also train on the last chain position")}
 
     def __init__(self, group="z2", n_vars=12, n_supervised=None, supervise_last=False):
-        if group not in LEGO_GROUPS:
-            raise ValueError(f"--group {group!r}: choose {' or '.join(LEGO_GROUPS)}")
-        if n_vars < 1:
-            raise ValueError(f"--n_vars {n_vars} must be at least 1")
-        if n_vars > 26:
-            raise ValueError(f"--n_vars {n_vars} exceeds the 26 variables a..z")
-        if n_supervised is not None and not 1 <= n_supervised <= n_vars:
-            raise ValueError(f"--n_supervised {n_supervised} must lie in 1..{n_vars} (--n_vars), "
-                             f"or be left unset to train on every chain position")
+        check_ranges(n_vars=(n_vars, 1, 26),
+                     n_supervised=(n_vars if n_supervised is None else n_supervised, 1, n_vars))
         if supervise_last and (n_supervised or n_vars) >= n_vars - 1:
-            raise ValueError(f"--supervise_last adds the last chain position to #0..#k-1 of "
-                             f"--n_supervised k, with a gap between: it needs k below "
-                             f"{n_vars - 1} (--n_vars {n_vars} - 1)"
-                             + ("; set --n_supervised" if n_supervised is None else ""))
+            raise ValueError(f"--supervise_last adds the last chain position after a gap: it "
+                             f"needs --n_supervised below {n_vars - 1} (--n_vars {n_vars} - 1)")
         self.group, self.n_vars = group, n_vars
         self.ops, self.value_words, images = LEGO_GROUPS[group]
         self.images = torch.tensor(images)                     # (ops, values)
         self.vocab = LEGO_WORDS + self.ops + self.value_words
         self.vocab_size, self.block_size = len(self.vocab), 5 * n_vars + 2
-        self.first_op = len(LEGO_WORDS)
-        self.first_value = self.first_op + len(self.ops)
-        self.values = list(range(self.first_value, self.vocab_size))  # label token ids
+        self.first_op, self.first_value = len(LEGO_WORDS), len(LEGO_WORDS) + len(self.ops)
         self.broadcast_ids = (LEGO_CLS, LEGO_SEP)
-        # Which chain positions are trained on.
         self.supervised = torch.arange(n_vars) < (n_supervised or n_vars)
         if supervise_last:
             self.supervised[-1] = True
@@ -1459,8 +1016,7 @@ class LEGO(Task):
     def sample(self, batch_size, generator=None, split="train"):
         B, n = batch_size, self.n_vars
         n_ops, n_values = self.images.shape
-        # The chain: distinct variables (the first n of a shuffled a..z), an op per clause, and
-        # the value the root's op acts on.
+        # The chain: distinct variables, an op per clause, the value the root's op acts on.
         variables = torch.rand(B, 26, generator=generator).argsort(dim=1)[:, :n]   # (B, n)
         ops = torch.randint(n_ops, (B, n), generator=generator)
         ops[:, 0] = 0  # the root's op is the identity (+, p012): #0 reads its value directly
@@ -1491,8 +1047,6 @@ class LEGO(Task):
         return x, y
 
     def chain_depth(self, x):
-        """(B, T): at each clause's left-hand variable its chain position (0 for the root's
-        clause, 1 for the clause reading it, ...), -1 elsewhere. Read from x alone."""
         B, n = x.size(0), self.n_vars
         clauses = x[:, 1:-1].reshape(B, n, 5)
         defined, argument = clauses[:, :, 0], clauses[:, :, 3]
@@ -1508,38 +1062,29 @@ class LEGO(Task):
 
     @staticmethod
     def apply(op, value):
-        """The value (a token) that op (a token) gives value: + keeps, - flips; in S3, pABC
-        and a value XYZ are the permutations i -> (digit i of ABC) and i -> (digit i of XYZ),
-        and the result is their product pABC·XYZ, i -> ABC[XYZ[i]]."""
+        """The value (a word) op gives value: + keeps, - flips; pABC·XYZ sends i to ABC[XYZ[i]]."""
         if op in "+-":
             return value if op == "+" else str(1 - int(value))
         return "".join(op[1 + int(digit)] for digit in value)
 
     def solve(self, x):
-        """Labels of x (B, T) by hand: read each row's clauses as words, then pass over them
-        again and again, setting every variable whose argument is known, until all are. Every
-        left-hand variable is labelled (no supervision mask): the tests' reference."""
+        if x.size(1) != self.block_size:
+            raise ValueError(f"lego: {x.size(1)} tokens, not the {self.block_size} of a sequence")
         y = torch.full_like(x, -1)
         for row, ids in enumerate(x.tolist()):
-            words = [self.vocab[i] for i in ids[1:-1]]
-            clauses = [words[s:s + 5] for s in range(0, len(words), 5)]
+            clauses = [[self.vocab[i] for i in ids[s:s + 5]] for s in range(1, len(ids) - 1, 5)]
             known = {}
-            while len(known) < len(clauses):
-                n_known = len(known)
+            for _ in clauses:  # a pass resolves one more link of the chain at least
                 for variable, _, op, argument, _ in clauses:
-                    if argument in self.value_words:
-                        known[variable] = self.apply(op, argument)
-                    elif argument in known:
-                        known[variable] = self.apply(op, known[argument])
-                if len(known) == n_known:
-                    raise ValueError(f"lego: row {row} is not one chain: {' '.join(words)}")
-            for s, clause in enumerate(clauses):
-                y[row, 1 + 5 * s] = self.token_ids[known[clause[0]]]
+                    if argument in self.value_words or argument in known:
+                        known[variable] = self.apply(op, known.get(argument, argument))
+            if len(known) < len(clauses):
+                raise ValueError(f"lego: row {row} is not one chain: {self.decode(ids)}")
+            for s, (variable, *_) in enumerate(clauses):
+                y[row, 1 + 5 * s] = self.vocab.index(known[variable])
         return y
 
     def describe(self, x, y=None, predictions=None):
-        """Lines about one sentence x (T,): the sentence, then every variable's value in chain
-        order, truth (from solve) and model; only positions y scores are counted (all if None)."""
         truth, depth = self.solve(x[None])[0], self.chain_depth(x[None])[0]
         slots = sorted(range(1, x.size(0) - 1, 5), key=lambda t: int(depth[t]))  # chain order
 
@@ -1556,114 +1101,190 @@ class LEGO(Task):
 
 
 # ----------------------------------------------------------------------------------------------
-# Cycles: is B reachable from A? The task behind the inductive scratchpad (Abbe et al. 2024,
-# Section 3.2 and Appendix C): one 2n-cycle and two n-cycles look alike locally, so a model must
-# walk the graph; an inductive scratchpad lets it learn one step of the walk, and walk further.
+# The inductive scratchpad (Abbe et al. 2024, "How Far Can Transformers Reason?", Appendix C):
+# states Q : s1 # s2 # ... # sk (Q the question, ":" starts, "#" closes a state). The model
+# writes s[i] as if the sequence were only Q : s[i-1] #, so it learns one induction step. In
+# training every closed state is read twice, the copy without loss; a token sees its own group
+# and group 0 (Q), and positions restart after Q (t tokens) in every group (forward's groups=,
+# positions=):
+#
+#     token     Q ... :   s1 #    s1 #   s2 #    s2 #   s3
+#     group     0 ... 0   1  1    2  2   2  2    3  3   3
+#     position  0 ... t-1 t  t+1  t  t+1 t+2 t+3 t  t+1 t+2
+#     loss      as Q      1  1    0  0   1  1    0  0   1
+
+DEAD = -1  # the group of padding: no real token has it, so no real token sees these entries
+
+
+def training_form(ids, start_id, sep_id):
+    """Q : s1 # s2 # ... sk -> Q : s1 # s1 # s2 # s2 # ... sk (lists of ids)."""
+    if start_id not in ids:
+        return list(ids)
+    cut = ids.index(start_id) + 1
+    form, state = list(ids[:cut]), []
+    for token in ids[cut:]:
+        state.append(token)
+        if token == sep_id:
+            form += state + state
+            state = []
+    return form + state
+
+
+def segments(idx, start_id, sep_id):
+    """(B, T): -1 up to the start token, then j on the form's j-th state and # (odd j: copies)."""
+    is_start = (idx == start_id).long()
+    started = is_start.cumsum(1) - is_start > 0        # a start token strictly before
+    closes = ((idx == sep_id) & started).long()
+    return torch.where(started, closes.cumsum(1) - closes, -1)
+
+
+def inductive_layout(idx, start_id, sep_id):
+    """(positions, groups), each (B, T), of rows in the training form: on Q group 0, positions
+    0, 1, ...; on segment j group 1 + ⌈j / 2⌉, positions t + (index in the group)."""
+    segment = segments(idx, start_id, sep_id)
+    groups = torch.where(segment < 0, 0, 1 + (segment + 1) // 2)
+    index = torch.arange(idx.size(1), device=idx.device).expand_as(idx)
+    begins = torch.ones_like(groups, dtype=torch.bool)
+    begins[:, 1:] = groups[:, 1:] != groups[:, :-1]
+    first = torch.where(begins, index, 0).cummax(dim=1).values  # each group's first token
+    question = (segment < 0).sum(dim=1, keepdim=True)           # t, per row
+    return torch.where(segment < 0, index, question + index - first), groups
+
+
+def copies(idx, start_id, sep_id):
+    """(B, T) True on the second copy of every state: the tokens that carry no loss."""
+    segment = segments(idx, start_id, sep_id)
+    return (segment > 0) & (segment % 2 == 1)
+
+
+def padded_training_forms(idx, start_id, sep_id):
+    """(tokens, positions, groups) (B, L) of idx in the training form, and last (B,) real token."""
+    forms = [torch.tensor(training_form(row, start_id, sep_id)) for row in idx.tolist()]
+    lengths = torch.tensor([len(form) for form in forms], device=idx.device)
+    padded = torch.nn.utils.rnn.pad_sequence(forms, batch_first=True).to(idx.device)
+    positions, groups = inductive_layout(padded, start_id, sep_id)
+    # Padding on the right is unseen by the real tokens (causal); keep its positions in range.
+    pad = torch.arange(padded.size(1), device=idx.device) >= lengths[:, None]
+    return padded, positions.masked_fill(pad, 0), groups.masked_fill(pad, DEAD), lengths - 1
+
+
+def forget(caches, current_groups):
+    """Drop the cache entries no row sees any more: all but group 0 and its current group (B,)."""
+    groups = caches[0].groups                                                    # (B, T_seen)
+    columns = ((groups == 0) | (groups == current_groups[:, None])).any(dim=0)
+    if not columns.all():
+        for cache in caches:
+            cache.keep(columns)
+
+
+@torch.no_grad()
+def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, use_cache=True,
+                       stop_token=None):
+    """Continue idx (B, T) greedily by max_new_tokens tokens under the inductive layout: (B, T +
+    new) in the plain form Q : s1 # s2 # .... Each step lays out the training form so far; with a
+    cache only what it has not read, and the cache forgets the groups no row sees. It stops
+    early if a state outgrows the position table, or when every row has written stop_token."""
+    B, T, device = *idx.shape, idx.device
+    with evaluating(model):
+        caches = model.new_caches() if use_cache else None
+        read = torch.zeros(B, dtype=torch.long, device=device)  # form tokens the cache has seen
+        for _ in range(max_new_tokens):
+            tokens, positions, groups, last = padded_training_forms(idx, start_id, sep_id)
+            current = groups[torch.arange(B), last]  # each row's group: what forget() keeps
+            if use_cache:  # the form not read yet, but a state's closing #: its copy is read
+                segment = segments(tokens, start_id, sep_id)
+                column = torch.arange(tokens.size(1), device=device)
+                closing = (tokens == sep_id) & (segment >= 0) & (segment % 2 == 0)
+                new = (column >= read[:, None]) & (column <= last[:, None]) & ~closing
+                # The new tokens moved to the right end, padded on the left in group DEAD.
+                width = int(new.sum(1).max())
+                order = new.long().argsort(dim=1, stable=True)[:, -width:]
+                pad = ~new.gather(1, order)
+                tokens, positions, groups = (t.gather(1, order).masked_fill(pad, fill) for t, fill
+                                             in ((tokens, 0), (positions, 0), (groups, DEAD)))
+                read, last = last + 1, torch.full((B,), width - 1, device=device)
+            if model.config.pos == "learned" and int(positions.max()) >= model.config.block_size:
+                break
+            logits = model(tokens, caches=caches, positions=positions, groups=groups)[0]
+            if use_cache:
+                forget(caches, current)
+            idx = torch.cat([idx, logits[torch.arange(B), last].argmax(-1, keepdim=True)], dim=1)
+            if stop_token is not None and (idx[:, T:] == stop_token).any(1).all():
+                break
+    return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# Cycles (Abbe et al. 2024, Section 3.2): one 2n-cycle and two n-cycles look alike locally, so a
+# model must walk the graph; the inductive scratchpad lets it learn one step, and walk further.
 
 CYCLE_WORDS = ["<pad>", ">", ";", "?", ":", "#", "0", "1", "."]
 (CYCLE_PAD, CYCLE_EDGE, CYCLE_END, CYCLE_QUERY, CYCLE_START, CYCLE_SEP, CYCLE_NO, CYCLE_YES,
  CYCLE_STOP) = range(len(CYCLE_WORDS))
-SCRATCHPADS = ("none", "full", "inductive")
 
 
 class Cycles(Task):
     """Two directed cycles of n nodes, or one of 2n: is B reachable from A? (Abbe et al. 2024).
 
-    The edges `vX > vY ;` in shuffled order, then the query `vA ? vB ;`. A is a node of the
-    first cycle; B is `distance` steps ahead of A (default n) when the graph is one cycle, and
-    the first node of the other cycle when it is two. The answer is `1 .` (connected) or `0 .`;
-    the labels are balanced in every batch. Node names are single tokens v0, v1, ..., drawn
-    afresh for each graph. Walking from A meets B after `distance` steps, or comes back to A
-    after n: that walk's length is the chain depth of every label of the row. With n = 3, one
-    6-cycle, distance 3 (`python data.py` prints this one):
+    The edges `vX > vY ;` in shuffled order, then the query `vA ? vB ;`: B is `distance` steps
+    ahead of A (default n) on one cycle, or a node of the other cycle. The answer is `1 .` or
+    `0 .`, balanced in every batch; node names are drawn afresh for each graph. The length of
+    the walk from A until B or A again is each label's chain depth. n = 3, one 6-cycle:
 
-        prompt     v46 > v39 ; v77 > v46 ; v28 > v54 ; v54 > v58 ; v58 > v77 ; v39 > v28 ; v54 ? v46 ;
+        prompt     v46 > v39 ; v77 > v46 ; v28 > v54 ; v54 > v58 ; v58 > v77 ; v39 > v28 ;
+                   v54 ? v46 ;
         none       1 .
         full       v54 > v58 > v77 > v46 ; 1 .
         inductive  : v58 # v77 # v46 # 1 .
 
-    --scratchpad picks the format. "full" is the DFS scratchpad: the walk from A, each step
-    written with every earlier one in view. "inductive" writes states after ":", one node each,
-    closed by "#"; under the inductive scratchpad's masks (model.inductive_layout) each state
-    sees only the question and the state before it. So the states are the nodes *after* A: were
-    A itself a state, the state after it would be its successor the first time and "0" when a
-    walk on an n-cycle comes back to A, from the same view both times. ":" ends the prompt.
-    Training rows are in the training form, each closed state twice, the second copy unscored:
-
-        x   ... v54 ? v46 ; :   v58 # v58 #   v77 # v77 #   v46 # v46 # 1 .
-        y   ... -   - -   - v58 #   - -   v77 #   - -   v46 #   - -   1 . -
-
-    (y[t] is the target read at x[t]; "-" is -1), and layout(x) gives their positions and
-    groups: the copy "v58 #" opens group 2 at the positions of the first "v58 #".
-
-    Only what follows the prompt is scored, as in boxes. The paper's loss also covers the
-    question (Appendix C); --score_question does that in training, each edge and query token
-    predicted from those before it, while the test split still scores what follows the prompt.
-
-    Out of distribution: --test_cycle_n and --test_cycle_distance give the test split other
-    sizes (longer walks than any in training, say); the vocabulary holds the names of both.
-    With learned positions, another n also moves every state (they start at the question's
-    length); another distance at the same n keeps the positions and changes the walk alone.
+    "full" is the DFS scratchpad, each step written with every earlier one in view; "inductive"
+    the scratchpad above (states after ":", one node each; copies unscored; layout(x) gives the
+    positions and groups). Only what follows the prompt is scored (--score_question: the
+    question too, as the paper's loss); the test split may have its own n and distance.
     """
 
-    generates_answer = True
+    needs = frozenset({"causal", "generation"})
     stop_token = CYCLE_STOP
-    flags = {"cycle_n": dict(type=int, help="cycles: nodes per cycle n: two n-cycles or one "
-                             "2n-cycle (5)"),
-             "cycle_distance": dict(type=int, help="cycles: steps from A to B when connected, "
-                                    "1..2n-1 (n)"),
+    flags = {"cycle_n": dict(type=int, help="cycles: nodes per cycle n (5)"),
+             "cycle_distance": dict(type=int, help="cycles: steps from A to B, 1..2n-1 (n)"),
              "test_cycle_n": dict(type=int, help="cycles: n of the test split (cycle_n)"),
-             "test_cycle_distance": dict(type=int, help="cycles: the test split's distance "
-                                         "(cycle_distance; test_cycle_n if that differs)"),
-             "scratchpad": dict(choices=list(SCRATCHPADS), help="cycles: the answer alone "
-                                "(none), the walk first (full, DFS), or inductive states; default none"),
-             "cycle_names": dict(type=int, help="cycles: node names each graph draws its 2n "
-                                 "from (100, or 2n if more; the paper 1000; few are learned sooner)"),
-             "score_question": dict(action="store_const", const=True, help="cycles: also train "
-                                    "on the question's tokens, edges and query, as the paper's "
-                                    "loss does; the test split scores what follows them alone")}
+             "test_cycle_distance": dict(type=int, help="cycles: the test split's distance"),
+             "scratchpad": dict(choices=["none", "full", "inductive"], help="cycles: the answer "
+                                "alone (none), the walk first (full), or inductive states (none)"),
+             "cycle_names": dict(type=int, help="cycles: node names to draw from (100, or 2n)"),
+             "score_question": dict(action="store_const", const=True,
+                                    help="cycles: also train on the question's tokens")}
     train_defaults = {"n_layer": 2, "batch_size": 64, "max_iters": 2000}
+    start = []  # what opens the states after the prompt: ":" for the inductive scratchpad
 
     def __init__(self, cycle_n=5, cycle_distance=None, test_cycle_n=None,
                  test_cycle_distance=None, scratchpad="none", cycle_names=None,
                  score_question=False):
-        if scratchpad not in SCRATCHPADS:
-            raise ValueError(f"--scratchpad {scratchpad!r}: choose none, full or inductive")
         if test_cycle_distance is None and test_cycle_n in (None, cycle_n):
             test_cycle_distance = cycle_distance  # the same graphs as training, unless told
         test_cycle_n = cycle_n if test_cycle_n is None else test_cycle_n
         self.sizes = {}  # split -> (n, distance)
         for split, flag, n, distance in (("train", "", cycle_n, cycle_distance),
                                          ("test", "test_", test_cycle_n, test_cycle_distance)):
-            if n < 2:
-                raise ValueError(f"--{flag}cycle_n {n} must be at least 2: two cycles of one "
-                                 f"node are two loops")
             distance = n if distance is None else distance
-            if not 1 <= distance < 2 * n:
-                raise ValueError(f"--{flag}cycle_distance {distance}: on a cycle of {2 * n} "
-                                 f"nodes, B lies 1 to {2 * n - 1} steps ahead of A")
+            check_ranges(**{f"{flag}cycle_n": (n, 2),
+                            f"{flag}cycle_distance": (distance, 1, 2 * n - 1)})
             self.sizes[split] = (n, distance)
-        self.scratchpad = scratchpad
-        self.grouped = scratchpad == "inductive"
-        self.score_question = bool(score_question)
+        self.scratchpad, self.score_question = scratchpad, bool(score_question)
+        if scratchpad == "inductive":
+            self.start, self.needs = [CYCLE_START], self.needs | {"groups"}
         largest = max(cycle_n, test_cycle_n)
-        cycle_names = max(100, 2 * largest) if cycle_names is None else cycle_names
-        if cycle_names < 2 * largest:
-            raise ValueError(f"--cycle_names {cycle_names}: a graph of {2 * largest} nodes needs at "
-                             f"least {2 * largest} names")
-        self.n_names = cycle_names
+        self.n_names = max(100, 2 * largest) if cycle_names is None else cycle_names
+        check_ranges(cycle_names=(self.n_names, 2 * largest))  # a name per node
         self.vocab = CYCLE_WORDS + [f"v{i}" for i in range(self.n_names)]
         self.vocab_size = len(self.vocab)
         self.block_size = max(self._length(*size) for size in self.sizes.values())
 
-    def _prompt_length(self, n):
-        return 8 * n + 4 + (self.scratchpad == "inductive")  # 2n edges, the query, ":"
-
     def _length(self, n, distance):
-        """The longest row of a split: the prompt, then the longest walk's scratchpad, answer."""
+        """The longest row of a split: 2n edges, the query, ":", the longest walk, the answer."""
         steps = max(n, distance)
-        return self._prompt_length(n) + {"none": 2, "full": 2 * steps + 4,
-                                         "inductive": 4 * steps + 2}[self.scratchpad]
+        return 8 * n + 4 + len(self.start) + {"none": 2, "full": 2 * steps + 4,
+                                              "inductive": 4 * steps + 2}[self.scratchpad]
 
     def _prompt(self, n, distance, connected, generator):
         """Token ids of one graph and its query (and ":" for the inductive scratchpad)."""
@@ -1678,27 +1299,23 @@ class Cycles(Task):
         order = torch.randperm(2 * n, generator=generator).tolist()
         edges = [token for i in order
                  for token in (names[i], CYCLE_EDGE, successor[names[i]], CYCLE_END)]
-        return edges + [names[a], CYCLE_QUERY, b, CYCLE_END] + self._start()
-
-    def _start(self):
-        return [CYCLE_START] if self.scratchpad == "inductive" else []
+        return edges + [names[a], CYCLE_QUERY, b, CYCLE_END] + self.start
 
     @staticmethod
     def graph_and_query(prompt):
-        """(each node's successor, A, B) as a prompt's token ids give them: edges, then query."""
+        """(each node's successor, A, B) of a prompt's token ids."""
         query = prompt.index(CYCLE_QUERY)
         successor = {prompt[i]: prompt[i + 2] for i in range(0, query - 1, 4)}
         return successor, prompt[query - 1], prompt[query + 1]
 
     @staticmethod
     def walk(prompt):
-        """(nodes after A, connected) by brute force: follow the prompt's edges from A until B
-        (connected) or A again (two cycles)."""
+        """(nodes after A, connected): follow the edges from A until B or A again."""
         successor, a, b = Cycles.graph_and_query(prompt)
-        nodes = [successor[a]]
+        nodes = [successor.get(a)]
         while nodes[-1] not in (a, b):
-            if len(nodes) > len(successor):  # only a typed prompt can be anything but cycles
-                raise ValueError("the walk from A never comes back to A nor meets B")
+            if nodes[-1] not in successor or len(nodes) > len(successor):  # a typed prompt
+                raise ValueError("cycles: the walk from A leaves the graph, or never ends")
             nodes.append(successor[nodes[-1]])
         return nodes, nodes[-1] == b
 
@@ -1715,27 +1332,18 @@ class Cycles(Task):
         return [token for node in nodes for token in (node, CYCLE_SEP)] + answer
 
     def _rows(self, prompts, score_question=False):
-        """(x, y) of prompts (lists of ids): each completed, in the training form if inductive,
-        padded on the right; y[t] = x[t+1] after the prompt (and on it, if score_question), -1
-        elsewhere: on the prompt, the padding and the copies."""
-        rows = [prompt + self.completion(prompt) for prompt in prompts]
-        if self.scratchpad == "inductive":
-            rows = [training_form(row, CYCLE_START, CYCLE_SEP) for row in rows]
+        """(x, y) of prompts completed (in the training form if inductive), padded on the right."""
+        # A row without ":" (no inductive scratchpad) is its own training form, with no copies.
+        rows = [training_form(prompt + self.completion(prompt), CYCLE_START, CYCLE_SEP)
+                for prompt in prompts]
         x = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], batch_first=True)
         y = torch.full_like(x, -1)
-        # The first scored target: the prompt's second token, or what follows the prompt (one
-        # prompt length per batch: one n per split).
+        # The first scored target: the prompt's second token, or what follows the prompt.
         start = 0 if score_question else len(prompts[0]) - 1
         y[:, start:-1] = x[:, start + 1:]
-        unscored = x == CYCLE_PAD
-        if self.scratchpad == "inductive":
-            unscored |= copies(x, CYCLE_START, CYCLE_SEP)
+        unscored = (x == CYCLE_PAD) | copies(x, CYCLE_START, CYCLE_SEP)
         y[:, :-1] = y[:, :-1].masked_fill(unscored[:, 1:], -1)
         return x, y
-
-    @property
-    def train_length(self):
-        return self._length(*self.sizes["train"])
 
     def sample(self, batch_size, generator=None, split="train"):
         n, distance = self.sizes["test" if split == "test" else "train"]
@@ -1747,132 +1355,72 @@ class Cycles(Task):
 
     def prompts(self, x):
         """Each row's prompt (a list of ids): the edges, the query, and ":" if inductive."""
-        return [ids[:ids.index(CYCLE_QUERY) + 3] + self._start() for ids in x.tolist()]
+        return [ids[:ids.index(CYCLE_QUERY) + 3] + self.start for ids in x.tolist()]
 
     def solve(self, x):
-        """The labels of x (B, T) from each row's edges and query alone, by walking the graph:
-        what follows the prompt, as the test split scores it."""
         _, y = self._rows(self.prompts(x))
         return y[:, :x.size(1)]
 
     def chain_depth(self, x):
-        """(B, T): at every scored position, the length of the row's walk; -1 elsewhere."""
         steps = torch.tensor([len(self.walk(prompt)[0]) for prompt in self.prompts(x)])
         return torch.where(self.solve(x) != -1, steps[:, None], -1)
 
     def layout(self, x):
-        """The inductive scratchpad's positions and groups of x (model.inductive_layout);
-        nothing for the other formats."""
         if self.scratchpad != "inductive":
             return {}
         positions, groups = inductive_layout(x, CYCLE_START, CYCLE_SEP)
         return {"positions": positions, "groups": groups}
 
     def generate(self, model, idx, max_new_tokens, use_cache=True):
-        """Greedy answers to prompts idx (B, T), under the inductive scratchpad's masks if it
-        is the format (model.generate_inductive), else as GPT.generate."""
         if self.scratchpad == "inductive":
             return generate_inductive(model, idx, max_new_tokens, CYCLE_START, CYCLE_SEP,
-                                      temperature=0, use_cache=use_cache, stop_token=CYCLE_STOP)
+                                      use_cache, CYCLE_STOP)
         return super().generate(model, idx, max_new_tokens, use_cache)
 
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        """Task.evaluate's scores on the training form, then the answers written by greedy
-        generation (with the cache where the model can): eval_answer_acc is the share of test
-        prompts whose written answer (the token before the first ".") is the right 0 or 1."""
-        batches = list(self.evaluation_batches(n_samples, batch_size, generator))
-        metrics = score_batches(model, batches, self.chain_depth, self.layout, device, autocast)
-        right = 0
+        """Task.evaluate's scores, and eval_answer_acc: greedy answers (before the ".") right."""
+        batches = [self.sample(min(batch_size, n_samples - start), generator, split="test")
+                   for start in range(0, n_samples, batch_size)]
+        metrics = score_batches(model, batches, self, device, autocast)
+        right, use_cache = 0, "cache" in model.config.abilities()
         for x, _ in batches:
-            prompts = torch.tensor(self.prompts(x), device=device)
-            room = self._length(*self.sizes["test"]) - prompts.size(1)
+            prompts = self.prompts(x)
+            room = self._length(*self.sizes["test"]) - len(prompts[0])
             with autocast:
-                out = self.generate(model, prompts, room, model.can_cache()).tolist()
-            for prompt, row in zip(self.prompts(x), out):
+                out = self.generate(model, torch.tensor(prompts, device=device), room, use_cache)
+            for prompt, row in zip(prompts, out.tolist()):
                 written = row[len(prompt):]
                 stop = written.index(CYCLE_STOP) if CYCLE_STOP in written else 0
                 right += stop > 0 and written[stop - 1] == self.completion(prompt)[-2]
         return {**metrics, "eval_answer_acc": right / n_samples}
 
-    def example(self, generator, prompt=None, length=None):
-        """A test prompt (ids up to ";", or ":" if inductive) drawn with generator, or a typed
-        one: the edges and query as text, e.g. "v1 > v2 ; v2 > v1 ; v3 > v4 ; v4 > v3 ; v1 ? v3 ;"."""
-        if length is not None:
-            return super().example(generator, length=length)
-        if prompt is None:
-            ids = self.prompts(self.sample(1, generator, split="test")[0])[0]
-        else:
-            try:
-                ids = self.encode(prompt).tolist()
-            except ValueError as error:
-                raise ValueError(f"--prompt: {error}") from None
-            ids = ids[:-1] if ids[-1:] == [CYCLE_START] else ids
-            well_formed = self.well_formed(ids)
-            if well_formed:
-                try:  # a typed graph may still not be cycles: its walk may leave it or never end
-                    self.walk(ids)
-                except (ValueError, KeyError):
-                    well_formed = False
-            if not well_formed:
-                raise ValueError("--prompt: expected edges 'vX > vY ;' where every node has one "
-                                 "successor, then the query 'vA ? vB ;'")
-            ids += self._start()
-        return torch.tensor([ids]), len(ids)
-
-    @staticmethod
-    def well_formed(ids):
-        """Whether ids read 'vX > vY ;' per edge, one edge out of each node, then 'vA ? vB ;'."""
-        is_name = lambda i: i >= len(CYCLE_WORDS)
-        sources = ids[0:-4:4]
-        return (len(ids) >= 8 and len(ids) % 4 == 0 and len(set(sources)) == len(sources)
-                and all(is_name(ids[i]) and ids[i + 1] == CYCLE_EDGE and is_name(ids[i + 2])
-                        and ids[i + 3] == CYCLE_END for i in range(0, len(ids) - 4, 4))
-                and is_name(ids[-4]) and ids[-3] == CYCLE_QUERY and is_name(ids[-2])
-                and ids[-1] == CYCLE_END)
-
-    @functools.cached_property
-    def token_ids(self):
-        """Every word but the padding, which decode() leaves out: the words words_hint() lists."""
-        return {word: i for i, word in enumerate(self.vocab) if i != CYCLE_PAD}
-
-    def words_hint(self):
-        return f"node names v0..v{self.n_names - 1}, and {' '.join(CYCLE_WORDS[1:])}"
-
-    def decode(self, ids):
-        """The text of token ids, padding left out: 'v4 > v9 ; ... v4 ? v7 ; : v9 # 1 .'"""
-        return " ".join(self.vocab[int(i)] for i in ids if int(i) != CYCLE_PAD)
+    def encode(self, text):
+        """Token ids (T,) of a cycles text; a prompt ending with the query gets ":" if inductive."""
+        ids = super().encode(text)
+        if len(ids) >= 3 and ids[-3] == CYCLE_QUERY and ids[-1] == CYCLE_END:
+            ids = torch.cat([ids, torch.tensor(self.start, dtype=torch.long)])
+        return ids
 
     def describe(self, x, y=None, predictions=None):
-        """Lines about one row x (T,): the graph and query, the right completion, and the
-        model's: what x holds after the prompt (generated), or its predictions where y scores."""
-        ids = x.tolist()
         prompt = self.prompts(x[None])[0]
-        lines = [f"prompt: {self.decode(prompt)}",
-                 f"truth : {self.decode(self.completion(prompt))}"]
-        if predictions is not None:
-            lines.append(self.describe_predictions(x, y, predictions))
-        elif len(ids) > len(prompt):
-            written = ids[len(prompt):]
-            end = written.index(CYCLE_STOP) + 1 if CYCLE_STOP in written else len(written)
-            lines.append(f"model : {self.decode(written[:end])}")
-        return "\n".join(lines)
+        written = x.tolist()[len(prompt):]
+        end = written.index(CYCLE_STOP) + 1 if CYCLE_STOP in written else len(written)
+        return answer_lines(self, x, y, predictions, self.decode(prompt),
+                            self.decode(self.completion(prompt)),
+                            self.decode(written[:end]) if written else None)
 
 
 # ----------------------------------------------------------------------------------------------
-# Text: language modelling on a file, the ChaCAL paper's Section 5.3 (GPT-2 fine-tuned on
-# OpenWebText with ChaCAL swapped in, Table 3) at a size a laptop trains.
+# Text: language modelling on a file, the ChaCAL paper's Section 5.3 at a size a laptop trains.
 
 GPT2_VOCAB = 50257  # GPT-2's BPE tokens: what a .bin file holds, and what GPT-2's weights read
 
 
 def python_docs_corpus(cache_dir="data_cache"):
-    """Path of the default corpus: English that ships with Python, so nothing is downloaded.
-    The help topics of pydoc_data (what help("assert") prints), sorted by name, then every
-    docstring of 200 characters or more in the standard library's top-level modules, read from
-    their source with ast (files by name; in a file, ast.walk's breadth-first order). The same
-    Python gives the same bytes; the file is written once, under a temporary name then renamed
-    (Text prints its size and hash whenever it reads it)."""
+    """Path of the default corpus, English that ships with Python: pydoc_data's help topics by
+    name, then every docstring of 200 characters or more in the standard library's top-level
+    modules (files by name, ast.walk's order). The same Python gives the same bytes."""
     import ast
     import platform
     import sysconfig
@@ -1883,94 +1431,68 @@ def python_docs_corpus(cache_dir="data_cache"):
     docs = [topics[name] for name in sorted(topics)]
     stdlib = sysconfig.get_paths()["stdlib"]
     for name in sorted(n for n in os.listdir(stdlib) if n.endswith(".py")):
-        with open(os.path.join(stdlib, name), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 200:
-                    docs.append(doc)
+        tree = ast.parse(pathlib.Path(stdlib, name).read_text(encoding="utf-8"))
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docs += [doc for node in ast.walk(tree) if isinstance(node, kinds)
+                 and len(doc := ast.get_docstring(node) or "") >= 200]
     corpus = "\n\n".join(docs).encode("utf-8")
     os.makedirs(cache_dir, exist_ok=True)
     write_whole(path, lambda temporary: pathlib.Path(temporary).write_bytes(corpus))
-    print(f"text: built the default corpus {path} from Python {platform.python_version()}'s "
-          f"help topics and docstrings")
     return path
 
 
 @functools.lru_cache(maxsize=1)
 def gpt2_tokenizer():
     try:
-        import transformers
-        return from_hub(transformers.AutoTokenizer, "gpt2")
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained("gpt2")  # from transformers' cache when offline
     except Exception as error:  # not installed, or not downloaded and offline
-        raise ValueError(f"text: GPT-2 tokens need GPT-2's tokenizer (pip install "
-                         f"transformers, and a network once): {first_line(error)}") from None
+        raise ValueError(f"text: GPT-2 tokens need GPT-2's tokenizer (pip install transformers, "
+                         f"and a network once): {type(error).__name__}") from None
 
 
 class Text(Task):
-    """Language modelling: predict every next token of a text file, split into a training part
-    (the first 90%) and a validation part (the last 10%, contiguous, so no window crosses into
-    training text). A file is read as bytes (vocabulary 256: no tokenizer, any language), or,
-    if its name ends in .bin, as GPT-2 token ids (uint16, as nanoGPT's openwebtext/prepare.py
-    writes them; vocabulary 50,257), which GPT-2's weights read (train.py --init_from gpt2).
-
-    A batch is random windows of context + 1 tokens; x is a window without its last token and
-    y without its first, so every position is scored against the token after it. With
-    context 8, the text "Tom's cat sat." starts a window as:
+    """Language modelling: predict every next token of a file, its first 90% for training, the
+    last 10% for validation: bytes (vocabulary 256), or in a .bin GPT-2 token ids (uint16, as
+    nanoGPT's prepare.py writes them; --init_from gpt2). A batch is random windows of context + 1
+    tokens, x without the last, y without the first. With context 8, "Tom's cat sat." gives:
 
         text    T    o    m    '    s         c    a    t
         x      84  111  109   39  115   32   99   97         (UTF-8 bytes)
         y     111  109   39  115   32   99   97  116         (x moved left by one)
 
-    There are no chains to count: chain_depth is 0 everywhere. evaluate() scores consecutive
-    windows from the start of the validation part (the same ones every time) and adds the
-    perplexity, exp(loss): the number of equally likely tokens the model is as unsure as.
-    data None is the default corpus (python_docs_corpus), built once in cache_dir.
-    """
+    evaluate() scores consecutive validation windows and adds the perplexity; data None reads
+    the default corpus (python_docs_corpus)."""
 
-    generates_answer = True  # sample.py continues a prompt
+    needs = frozenset({"causal", "generation"})  # sample.py continues a prompt
     train_defaults = {"n_layer": 4, "lr": 1e-3, "eval_samples": 256}
-    flags = {"data": dict(help="text: a text file (read as bytes), or a .bin of GPT-2 token ids; "
-                               "default: English that ships with Python, built in data_cache/"),
+    flags = {"data": dict(help="text: a file of bytes, or a .bin of GPT-2 token ids (default: "
+                               "Python's docs, built in data_cache/)"),
              "context": dict(type=int, help="text: tokens per training window (128)")}
 
     def __init__(self, data=None, context=128, cache_dir="data_cache"):
-        if context < 1:
-            raise ValueError(f"--context {context} must be at least 1")
         path = python_docs_corpus(cache_dir) if data is None else data
-        if not os.path.isfile(path):
-            raise ValueError(f"--data {path}: " + ("a directory; name a file in it"
-                                                   if os.path.isdir(path) else "no such file"))
-        if os.path.getsize(path) == 0:
-            raise ValueError(f"--data {path}: the file is empty")
         self.gpt2_tokens = path.endswith(".bin")
-        if self.gpt2_tokens and os.path.getsize(path) % 2:
-            raise ValueError(f"--data {path}: a .bin file holds GPT-2 token ids of 2 bytes each, "
-                             f"but this one has an odd number of bytes")
-        self.ids = np.memmap(path, dtype=np.uint16 if self.gpt2_tokens else np.uint8, mode="r")
-        # A file of something else than GPT-2 ids shows ids past its vocabulary at once; the
-        # first and last million are checked, not the whole of a corpus of gigabytes.
+        try:  # a missing file is an OSError, an empty or odd-sized one a ValueError
+            self.ids = np.memmap(path, dtype=np.uint16 if self.gpt2_tokens else np.uint8, mode="r")
+        except ValueError as error:
+            raise ValueError(f"--data {path}: {error}") from None
+        # Another file shows ids past GPT-2's vocabulary at once: its ends are checked.
         if self.gpt2_tokens and max(int(self.ids[:1 << 20].max()),
                                     int(self.ids[-(1 << 20):].max())) >= GPT2_VOCAB:
-            raise ValueError(f"--data {path}: holds ids of {GPT2_VOCAB} or more, so it is not "
-                             f"GPT-2 token ids (uint16, as nanoGPT's prepare scripts write); "
-                             f"rename a file of bytes to another extension")
+            raise ValueError(f"--data {path}: holds ids of {GPT2_VOCAB} or more: not GPT-2 tokens")
         self.vocab_size = GPT2_VOCAB if self.gpt2_tokens else 256
         self.split_at = len(self.ids) - len(self.ids) // 10  # validation: the last 10%
         n_test = len(self.ids) - self.split_at
-        if n_test < context + 1:
-            raise ValueError(f"--context {context}: the validation part of --data {path} (its "
-                             f"last 10%, {n_test} tokens) must hold a window of context + 1; "
-                             f"lower --context or give a longer file")
-        self.block_size = context
+        check_ranges(context=(context, 1, n_test - 1))  # a window of context + 1 in validation
+        self.block_size, self.prompt_length = context, max(1, context // 4)
         # What was trained on, in one line: the default corpus differs between Pythons.
         unit = "GPT-2 tokens" if self.gpt2_tokens else "bytes"
         digest = "" if data is not None else f", sha256 {hashlib.sha256(self.ids).hexdigest()[:16]}"
         print(f"text: {path}, {len(self.ids):,} {unit}{digest}; the last {n_test:,} for validation")
 
     def windows(self, starts):
-        """(x, y) (B, context) of the windows starting at positions `starts` (a list)."""
+        """(x, y) (B, context) of the windows starting at `starts` (a list)."""
         rows = self.ids[np.asarray(starts)[:, None] + np.arange(self.block_size + 1)]
         rows = torch.from_numpy(rows.astype(np.int64))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -1980,15 +1502,12 @@ class Text(Task):
         starts = torch.randint(first, end - self.block_size, (batch_size,), generator=generator)
         return self.windows(starts.tolist())
 
-    def evaluation_batches(self, n_samples, batch_size, generator):
-        starts = range(self.split_at, len(self.ids) - self.block_size, self.block_size)
-        starts = starts[:n_samples]
-        for k in range(0, len(starts), batch_size):
-            yield self.windows(list(starts[k:k + batch_size]))
-
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
-        metrics = super().evaluate(model, n_samples, batch_size, generator, device, autocast)
+        starts = range(self.split_at, len(self.ids) - self.block_size, self.block_size)[:n_samples]
+        batches = (self.windows(list(starts[k:k + batch_size]))
+                   for k in range(0, len(starts), batch_size))
+        metrics = score_batches(model, batches, self, device, autocast)
         loss = metrics["eval_loss"]  # math.exp overflows past 709, as a diverging run's loss may
         return {**metrics, "eval_perplexity": math.exp(loss) if loss < 700 else float("inf")}
 
@@ -1996,20 +1515,15 @@ class Text(Task):
         return torch.zeros_like(x)
 
     def solve(self, x):
-        """The labels by looking each row up in the file: the tokens after where it first occurs
-        (a row that occurs twice with different next tokens would be labelled by the first)."""
-        corpus, width = self.ids.tobytes(), self.ids.itemsize
-        y = torch.empty_like(x)
-        for row, ids in enumerate(x.tolist()):
+        """The labels of windows x: their tokens after where each first occurs in the file."""
+        corpus, width, starts = self.ids.tobytes(), self.ids.itemsize, []
+        for ids in x.tolist():
             needle = np.asarray(ids, dtype=self.ids.dtype).tobytes()
             at = corpus.find(needle)
             while at > 0 and at % width:  # a match must start at a token, not inside one
                 at = corpus.find(needle, at + 1)
-            if at < 0:
-                raise ValueError(f"row {row} of x does not occur in the text")
-            after = at // width + 1
-            y[row] = torch.from_numpy(self.ids[after:after + len(ids)].astype(np.int64))
-        return y
+            starts.append(at // width)
+        return self.windows(starts)[1]
 
     def encode(self, text):
         ids = gpt2_tokenizer().encode(text) if self.gpt2_tokens else list(text.encode("utf-8"))
@@ -2017,37 +1531,16 @@ class Text(Task):
 
     def decode(self, ids):
         ids = [int(i) for i in ids]
-        if self.gpt2_tokens:
-            return gpt2_tokenizer().decode(ids)
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    def example(self, generator, prompt=None, length=None):
-        """(prompt (1, T), T) for sample.py to continue: the typed prompt encoded, or the first
-        quarter of a random validation window. The prompt's length is kept for describe()."""
-        if length is not None:
-            return super().example(generator, length=length)
-        if prompt is None:
-            x = self.sample(1, generator, split="test")[0][:, :max(1, self.block_size // 4)]
-        else:
-            x = self.encode(prompt)[None]
-            if x.size(1) == 0:
-                raise ValueError("--prompt is empty; give some text to continue")
-        self.prompt_length = x.size(1)
-        return x, x.size(1)
+        return (gpt2_tokenizer().decode(ids) if self.gpt2_tokens
+                else bytes(ids).decode("utf-8", errors="replace"))
 
     def describe(self, x, y=None, predictions=None):
-        """The text of one sequence x (T,): its prompt (the last example()'s length), then the
-        rest, which the model wrote. With predictions, the model's guess at every next token."""
-        n = self.prompt_length if self.prompt_length is not None else x.size(0)
-        lines = [f"--- prompt ({n} tokens) ---", self.decode(x[:n])]
-        if n < x.size(0):
-            lines += [f"--- continuation ({x.size(0) - n} tokens) ---", self.decode(x[n:])]
+        lines = [f"--- text ({x.size(0)} tokens) ---", self.decode(x)]
         if predictions is not None:
             lines += ["--- the model's next-token guesses ---", self.decode(predictions)]
         return "\n".join(lines)
 
 
-# The --task name of each task.
 TASKS = {
     "toy": PointerChains,
     "boxes": Boxes,
@@ -2075,8 +1568,7 @@ def get_task(name, **options):
 
 def task_class(name):
     """The class behind --task name (d2 .. tomita6 are one class each, with an argument bound)."""
-    task = TASKS[name]
-    return getattr(task, "func", task)
+    return getattr(TASKS[name], "func", TASKS[name])
 
 
 def task_flags():
@@ -2084,62 +1576,23 @@ def task_flags():
     return {name: flag for task in TASKS for name, flag in task_class(task).flags.items()}
 
 
-def task_options(name):
-    """The options task `name` takes: its constructor's parameters (train.py's task flags)."""
-    return set(inspect.signature(TASKS[name]).parameters)
-
-
 def task_from_settings(settings):
-    """The task of a run from its settings (train.py's flags, e.g. a checkpoint's "args"): the
-    task flags that task takes, where set; the rest keep the task's defaults. A task flag set
-    for a task that does not take it is an error."""
+    """The task of a run's settings (train.py's flags, e.g. a checkpoint's "args"): the options
+    it takes, where set; a task flag set for a task that does not take it is an error."""
     name = settings["task"]
+    options = set(inspect.signature(TASKS[name]).parameters) if name in TASKS else set()
     stray = [flag for flag in task_flags() if settings.get(flag) is not None
-             and name in TASKS and flag not in task_options(name)]
+             and name in TASKS and flag not in options]
     if stray:
         raise ValueError(f"--{stray[0]} is not an option of --task {name}; drop it")
-    return get_task(name, **{k: settings[k] for k in task_options(name)
-                             if settings.get(k) is not None})
+    return get_task(name, **{k: settings[k] for k in options if settings.get(k) is not None})
 
 
-def example_with_answer(name, seed=0):
-    """A test example of task `name` at its default sizes, with the answer its solver gives: what
-    `python data.py NAME` prints. A task that writes its answer shows the prompt and the right
-    completion; the others, the sequence and its labels."""
-    task = get_task(name)
-    x, _ = task.example(torch.Generator().manual_seed(seed))
-    return task.describe(x[0]) if task.generates_answer else task.describe(x[0], task.solve(x)[0])
-
-
-def main(argv=None):
-    """`python data.py [TASK] [--seed N]`: print an example, as the parser's description says."""
-    from train import OneLineErrors, check_seed  # not at the top: train.py imports this module
-    parser = OneLineErrors(prog="data.py", description="Print a test example of a task with its "
-                           "answer; with no task, the worked examples of the toy and cycles "
-                           "docstrings.")
-    parser.add_argument("task", nargs="?", choices=TASKS, metavar="TASK",
-                        help=f"one of {', '.join(TASKS)}, at its default sizes")
-    parser.add_argument("--seed", type=int, help="which example of TASK (default: 0)")
-    args = parser.parse_args(argv)
-    try:
-        if args.seed is not None and args.task is None:  # the worked examples have their seeds
-            raise ValueError(f"--seed {args.seed} picks an example of a TASK; name one, e.g. "
-                             f"python data.py toy --seed {args.seed}")
-        check_seed(args.seed or 0)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.task:
-        print(example_with_answer(args.task, args.seed or 0))
-    else:
-        task = get_task("toy", n_blocks=4, block_len=2, vocab_size=10)
-        x, y = task.sample(1, torch.Generator().manual_seed(766))  # PointerChains' worked example
-        print(task.describe(x[0], y[0]))
-        for scratchpad in SCRATCHPADS:  # the worked example of Cycles' docstring
-            task = get_task("cycles", cycle_n=3, scratchpad=scratchpad)
-            prompt = task.prompts(task.sample(1, torch.Generator().manual_seed(1))[0])[0]
-            print(f"{task.decode(prompt)}  |  {task.decode(task.completion(prompt))}")
-
-
-if __name__ == "__main__":
-    from train import run_command
-    run_command(main, "interrupted; a data cache it was building is written whole or not at all")
+if __name__ == "__main__":  # python data.py TASK [SEED]: a test example of TASK with its answer
+    import sys
+    if len(sys.argv) > 1 and sys.argv[1] not in TASKS:
+        raise SystemExit(f"data.py: {sys.argv[1]!r} is no task; choose from {', '.join(TASKS)}")
+    task = get_task(sys.argv[1] if len(sys.argv) > 1 else "toy")
+    x, y = task.sample(1, torch.Generator().manual_seed(int(sys.argv[2:3] and sys.argv[2] or 0)),
+                       split="test")
+    print(task.describe(x[0], y[0]))

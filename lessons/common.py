@@ -1,23 +1,13 @@
-"""
-What the lesson notebooks share: their set-up, and running many trainings for a table.
-
-    from common import SCALE, REUSE, DEVICE, OUT, describe_setup, train_many, reuse_if_saved
-    from common import steps_to, steps_to_text, trained_model, claim, report  # reading runs, claims
-    from common import taken_as_saved  # the runs a lesson took as saved, for its time line
-    from common import TOY_TABLE, toy_table_flags, blind_guess  # lessons 00 and 01's toy task
-
-SCALE comes from NANOCHACAL_SCALE: "smoke" (seconds, what the tests run), "cpu" (minutes on a
-laptop: the committed outputs) or "gpu" (the papers' sizes; the default where CUDA is present).
-NANOCHACAL_REUSE=1 continues the runs an interruption stopped and takes finished ones as they are
-(any other value: every run starts over, except the toy-task runs lessons 00 and 01 share, which
-either lesson takes as the other saved them). Runs go under out/ (out/gpu, out/smoke at those
-scales).
-"""
+"""What the lessons share: their set-up, the bookkeeping of their runs, their claims lines.
+NANOCHACAL_SCALE: smoke (seconds: the tests), cpu (minutes on a laptop: the committed outputs) or
+gpu (the papers' sizes). NANOCHACAL_REUSE=1 continues interrupted runs and takes finished ones as
+they are; otherwise every run starts over, but for the toy-task runs lessons 00 and 01 share."""
 
 import concurrent.futures
 import contextlib
 import multiprocessing
 import os
+import re
 import sys
 import time
 
@@ -26,32 +16,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import train  # noqa: E402
-from data import task_from_settings  # noqa: E402
+from data import task_class, task_from_settings  # noqa: E402
 
+STARTED = time.time()  # the lesson's clock: its first cell imports this module
 SCALE = os.environ.get("NANOCHACAL_SCALE") or ("gpu" if torch.cuda.is_available() else "cpu")
 if SCALE not in ("smoke", "cpu", "gpu"):
     raise SystemExit(f"NANOCHACAL_SCALE={SCALE!r}: use smoke, cpu or gpu")
 REUSE = os.environ.get("NANOCHACAL_REUSE") == "1"
 DEVICE = train.pick_device("auto")  # where train.py's runs go, so the lessons read them there
-# The cores this process may use (a container or taskset may allow fewer than the machine has).
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 DEVICE_NAME = (torch.cuda.get_device_name() if DEVICE == "cuda" else "mps (Apple GPU)"
                if DEVICE == "mps" else f"cpu ({CORES} cores)")
-# Where runs go: out/ at the cpu scale (the committed lessons' runs), out/gpu and out/smoke at the
-# others, so that no scale ever takes another's saved runs for its own. Relative to the working
-# directory (../out from lessons/), so that flags written as one string and split on spaces stay
-# whole in a clone whose path has a space.
+# out/, out/gpu, out/smoke: relative, so that flags split on spaces stay whole in any clone's path.
 OUT = os.path.relpath(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                    "out", *([SCALE] if SCALE != "cpu" else [])))
+TAKEN = []  # the runs train_plan took as saved: their training time is not this lesson's
+SHELL = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None  # a notebook's
+if SCALE == "smoke" and SHELL:  # the tests: every plotting call runs, no figure is drawn (seconds each)
+    SHELL.run_line_magic("config", "InlineBackend.figure_formats = set()")
 
-
-# The paper's toy task (16 blocks of 8: chains of 15 hops), trained with one set of flags for every
-# model of Table 1, so that lessons 00 and 01 share their standard runs (saved under out/toy/).
-# cpu: train.py's defaults, with which one ChaCAL layer passes 99.9% by step 800 on a laptop CPU.
+# The paper's toy task (chains of 15 hops), one set of flags for every model of Table 1: lessons 00
+# and 01 share its standard runs. cpu: train.py's defaults (one ChaCAL layer passes 99.9% by 800).
 # gpu: the ChaCAL paper's Table 4 (d 512, 8 heads, lr 3e-4, batch 128, warmup 8k of 24k steps).
 TOY_TABLE = {
-    "smoke": dict(seeds=[0], layers=[1, 2], flags="--n_blocks 4 --block_len 4 --n_embd 32 "
-                  "--n_head 2 --batch_size 8 --max_iters 4 --eval_interval 2 --eval_samples 16"),
+    "smoke": dict(seeds=[0], layers=[1, 2], flags="--n_blocks 4 --block_len 4 --n_embd 16 "
+                  "--n_head 2 --batch_size 4 --max_iters 2 --eval_interval 2 --eval_samples 8"),
     "cpu": dict(seeds=[0, 1], layers=[1, 2, 3], flags="--max_iters 1000 --eval_interval 100"),
     "gpu": dict(seeds=[0, 1, 2, 3], layers=[1, 2, 3, 4, 5],
                 flags="--n_embd 512 --n_head 8 --batch_size 128 --lr 3e-4 --warmup_iters 8000 "
@@ -59,16 +48,19 @@ TOY_TABLE = {
 }[SCALE]
 
 
-def toy_table_flags(attn, n_layer, seed):
-    """train.py's flags for one model of the toy task's Table 1."""
-    return (f"--task toy --attn {attn} --n_layer {n_layer} {TOY_TABLE['flags']} --seed {seed} "
-            f"--no-progress --out_dir {OUT}/toy/{attn}_L{n_layer}_seed{seed}").split()
+def toy_table_flags(attn, n_layer, seed, gamma=0.9, extra=""):
+    """train.py's flags for one model of the toy task's Table 1, or with another γ or flags (its
+    own folder then). The standard runs are shared: a lesson takes them as the other saved them."""
+    own = f"--gamma {gamma} {extra}" if (gamma, extra) != (0.9, "") else ""  # then a folder of its own
+    out = f"{OUT}/toy/{attn}_L{n_layer}_seed{seed}" + own.replace(" ", "").replace("--", "_")
+    argv = (f"--task toy --attn {attn} --n_layer {n_layer} {TOY_TABLE['flags']} --seed {seed} {own} "
+            f"--out_dir {out}").split()
+    return reuse_if_saved(argv) if attn == "standard" else argv
 
 
 def blind_guess(settings, n=4096):
-    """The toy task's score without following a pointer: bet on block 0's most repeated value
-    (values are drawn independently, so one often repeats), measured on n fresh sequences of the
-    task a run's settings describe."""
+    """The toy task's score without following a pointer, on n fresh sequences of a run's task: bet
+    on block 0's most repeated value (values are drawn independently, so one often repeats)."""
     toy = task_from_settings(settings)
     block0 = toy.sample(n, torch.Generator().manual_seed(1))[0][:, :toy.block_len]
     repeats = (block0[:, :, None] == block0[:, None, :]).sum(-1).max(-1).values
@@ -79,6 +71,34 @@ def describe_setup():
     """The line every lesson prints first: scale, device, torch."""
     return (f"scale {SCALE}{', reusing saved runs' if REUSE else ''}, device {DEVICE_NAME}, "
             f"torch {torch.__version__}")
+
+
+def folder(*parts):
+    """A run's folder: ("lesson03", "BERT, random init") -> OUT/lesson03/BERT_random_init."""
+    return "/".join([OUT] + [re.sub("[^A-Za-z0-9]+", "_", str(p)).strip("_") for p in parts])
+
+
+def train_plan(plan, jobs=1, slowest_first=None):
+    """{key: train.py flags (a string or a list)} -> {key: train.main's summary}, in the plan's
+    order; trained `jobs` at a time, ordered by slowest_first(key) (the last ones end together)."""
+    keys = sorted(plan, key=slowest_first) if slowest_first else list(plan)
+    argvs = [[*(plan[k].split() if isinstance(plan[k], str) else plan[k]), "--no-progress"] for k in keys]
+    started = time.time()
+    runs = dict(zip(keys, train_many(argvs, jobs)))
+    TAKEN.extend(run for argv, run in zip(argvs, runs.values()) if "--resume" in argv)
+    print(f"{len(runs)} runs, {jobs} at a time, in {time.time() - started:.0f} s")
+    return {k: runs[k] for k in plan}
+
+
+def task_of(flags):
+    """The task a run's train.py flags describe (a boxes dataset is made and cached now, once)."""
+    return train.parse_args(flags.split())[1]
+
+
+def subset(names, variable):
+    """names (a list or a dict), or only those the environment variable lists, comma-separated."""
+    listed = os.environ.get(variable) and os.environ[variable].split(",")
+    return names if not listed else {k: names[k] for k in listed} if isinstance(names, dict) else listed
 
 
 def steps_to(run, threshold, key="eval_acc", depth=None):
@@ -96,7 +116,7 @@ def steps_to_text(run, threshold, key="eval_acc", depth=None):
 
 def trained_model(summary):
     """The model a run saved, on the CPU, in eval mode."""
-    return train.load_model(summary["args"]["out_dir"])[0]
+    return train.load_model(summary["args"]["out_dir"])[0].eval()
 
 
 def claim(ok, text, numbers=None):
@@ -109,100 +129,67 @@ def report(text, numbers):
     print(f"· {text}: {numbers}")
 
 
-class WorkersKilled(SystemExit):
-    """train_many's exit when a worker process was killed: no run is left in progress."""
+def lesson_time():
+    """The claims cell's last line: the lesson's time, less the runs it took as saved."""
+    saved = (f"; {len(TAKEN)} runs taken as saved (their {sum(r['resumed_train_time'] for r in TAKEN) / 60:.1f}"
+             f" min of training is not in this time)" if TAKEN else "")
+    print(f"\nlesson time: {(time.time() - STARTED) / 60:.1f} min on {describe_setup()}{saved}")
 
 
 def train_many(argvs, jobs=1, resume_saved=REUSE):
     """train.main(argv) for every argument list, `jobs` at a time; the summaries, in order.
-
-    A small model's training step is mostly Python launching kernels, so one run leaves a GPU
-    (or a many-core CPU) mostly idle; runs in separate processes overlap that work. Each process
-    is spawned (a forked one cannot use CUDA), gets its share of the CPU threads, and writes
-    what it would print to out_dir/log.txt; the summary lines are printed here.
-
-    resume_saved: a run whose out_dir holds a checkpoint gets --resume, so a lesson executed
-    again continues the runs an interruption stopped and takes the finished ones as they are.
-    """
-    parser = train.build_parser()
-    out_dirs = [parser.parse_known_args(argv)[0].out_dir for argv in argvs]
-    folders = [os.path.normpath(d) for d in out_dirs]  # run and ./run/ are one folder
-    twice = sorted({d for d in folders if folders.count(d) > 1})
-    if twice:  # two runs would overwrite each other's checkpoints
-        raise ValueError(f"train_many: more than one run writes to {', '.join(twice)}")
-    if resume_saved:
-        argvs = [reuse_if_saved(argv) for argv in argvs]
+    A small model leaves a GPU (or many cores) mostly idle, so runs go in spawned processes (a
+    forked one cannot use CUDA), each on its share of the threads, printing to out_dir/log.txt.
+    resume_saved: a run whose out_dir holds a checkpoint continues there (reuse_if_saved)."""
+    out_dirs = [os.path.normpath(train.build_parser().parse_known_args(a)[0].out_dir) for a in argvs]
+    if len(set(out_dirs)) < len(out_dirs):  # two runs would overwrite each other's checkpoints
+        raise ValueError(f"train_many: more than one run writes to one of {sorted(out_dirs)}")
+    argvs = [reuse_if_saved(a) if resume_saved else list(a) for a in argvs]
     if jobs == 1 or not argvs:
         return [train.main(argv) for argv in argvs]
-    context = multiprocessing.get_context("spawn")
     threads = max(1, CORES // min(jobs, len(argvs)))
     logs = [os.path.join(out_dir, "log.txt") for out_dir in out_dirs]
-    started = time.perf_counter()
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        running = {pool.submit(main_logged, argv, log, threads): log for argv, log in zip(argvs, logs)}
-        try:
-            # One line per finished run is the progress report: a bar would interleave with them.
-            for count, finished in enumerate(concurrent.futures.as_completed(running), start=1):
+    started = time.time()
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
+        running = {pool.submit(main_logged, a, log, threads): log for a, log in zip(argvs, logs)}
+        try:  # one line per finished run is the progress report: a bar would interleave with them
+            for count, done in enumerate(concurrent.futures.as_completed(running), start=1):
                 try:
-                    line = finished.result()["line"]
-                except concurrent.futures.BrokenExecutor:  # a worker was killed, not failed
-                    # Every unfinished run fails so at once, in no telling order. Runs start
-                    # in the order given, `jobs` at a time: the first `jobs` unfinished ones
-                    # were in progress, the rest had not started.
-                    broken = [log for run, log in running.items() if run.done() and not run.cancelled()
-                              and isinstance(run.exception(), concurrent.futures.BrokenExecutor)]
-                    raise WorkersKilled(f"a worker process died without an error (most often "
-                                        f"killed for lack of memory: run fewer at a time); what "
-                                        f"the runs in progress printed is in "
-                                        f"{', '.join(broken[:jobs])}")
+                    line = done.result()["line"]
+                except concurrent.futures.BrokenExecutor:  # killed, not failed: no message left
+                    raise SystemExit("a worker process died without an error (most often killed "
+                                     "for lack of memory: run fewer at a time)") from None
                 except BaseException as error:  # SystemExit too: its message comes with it
-                    raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its "
-                                     f"output is in {running[finished]}")
+                    raise SystemExit(f"a run failed ({type(error).__name__}: {error}); its output "
+                                     f"is in {running[done]}") from None
                 print(f"[{count}/{len(running)} runs, {jobs} at a time, "
-                      f"{time.perf_counter() - started:.0f} s] {line}", flush=True)
-        except BaseException as error:  # a failed run or Ctrl-C: runs not yet started never start
-            # Ctrl-C stops the workers too, and a killed worker has stopped them all.
-            if not isinstance(error, (KeyboardInterrupt, WorkersKilled)):
-                print(f"{error}\nthe runs in progress finish first; the others never start", flush=True)
+                      f"{time.time() - started:.0f} s] {line}", flush=True)
+        except BaseException:  # a failed run or Ctrl-C: the runs not yet started never start
             pool.shutdown(cancel_futures=True)
             raise
         return [run.result() for run in running]
 
 
 def reuse_if_saved(argv):
-    """argv, with --resume if its out_dir holds a checkpoint of a run with the same settings: a
-    finished run is then taken as it is, an interrupted one continued. Lessons 00 and 01 share
-    their toy-task runs so. A saved run with other settings (flags edited since) stops the lesson:
-    taking it would report a different run as this one."""
+    """argv, with --resume if its out_dir holds a run with the same settings (taken as it is, or
+    continued); a saved run with other settings stops the lesson: it would report another run."""
     parser = train.build_parser()
     args = parser.parse_args(argv)
     path = os.path.join(args.out_dir, "ckpt.pt")
-    if not os.path.exists(path):
+    if "--resume" in argv or not os.path.exists(path):
         return list(argv)
-    try:
-        saved = train.load_checkpoint(args.out_dir)["args"]
-    except ValueError as error:
-        raise SystemExit(str(error))
-    wanted = vars(train.with_task_defaults(args, train.typed_flags(parser, args, argv)))
-    differ = [f"--{k} {saved.get(k)} (now {v})" for k, v in wanted.items()
-              if k not in ("out_dir", "resume", "progress") and saved.get(k, v) != v]
+    saved = torch.load(path, map_location="cpu", weights_only=True)["args"]
+    typed = {a.dest for a in parser._actions for o in a.option_strings  # what argv sets, and
+             if any(f == o or f.startswith(o + "=") for f in argv)}     # defaults no task changes
+    kept = (typed | {k for k, v in vars(args).items() if v not in (None, "auto")} - set(
+        task_class(args.task).train_defaults)) - {"out_dir", "resume", "progress"}
+    differ = [f"--{k} {saved.get(k)} (now {getattr(args, k)})" for k in sorted(kept)
+              if saved.get(k, getattr(args, k)) != getattr(args, k)]
     if differ:
         raise SystemExit(f"{args.out_dir} holds a run with other settings: {', '.join(differ)}; "
                          f"delete that directory to train this run afresh")
     return list(argv) + ["--resume"]
-
-
-def taken_as_saved(argvs, runs, lesson, jobs):
-    """What a lesson adds to its time about the runs train_many took as `lesson` saved them
-    (reuse_if_saved gave their argv --resume), or "" when it trained every run itself: that
-    training happened in the other lesson, so this lesson's time leaves it out. A run `lesson`
-    left unfinished was continued here: only the time its checkpoint held is the other lesson's."""
-    taken = [run for argv, run in zip(argvs, runs) if "--resume" in argv]
-    if not taken:
-        return ""
-    minutes = sum(run["resumed_train_time"] for run in taken) / 60
-    return (f"; {len(taken)} runs taken as {lesson} saved them (their {minutes:.1f} min of training, "
-            f"{jobs} at a time, is not in this time)")
 
 
 def main_logged(argv, log, threads):
