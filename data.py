@@ -18,6 +18,7 @@ import re
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import evaluating
@@ -27,8 +28,7 @@ class Task:
     """What every task provides; a task overrides what differs. split "test" is what evaluation
     scores (a task may score only some positions in training, and all in test)."""
 
-    vocab_size = block_size = stop_token = prompt_length = None
-    vocab = None               # a word per id, if the task's text is words
+    vocab_size = block_size = stop_token = prompt_length = vocab = None  # vocab: a word per id
     flags = {}                 # train.py's flags for the constructor's options: argparse keywords
     train_defaults = {}        # train.py settings this task needs other than train.py's defaults
     broadcast_ids = ()         # token ids that LEGO attention lets every token read
@@ -42,10 +42,14 @@ class Task:
 
     def solve(self, x):
         """The labels of x (B, T) worked out by hand, apart from sample()."""
-        raise NotImplementedError
+        return self.labels_and_depths(x)[0]
 
     def chain_depth(self, x):
         """(B, T): how many references each label of x needs."""
+        return self.labels_and_depths(x)[1]
+
+    def labels_and_depths(self, x):
+        """(solve(x), chain_depth(x)), where one walk works out both."""
         raise NotImplementedError
 
     def describe(self, x, y=None, predictions=None):
@@ -115,8 +119,7 @@ def score_batches(model, batches, task, device="cpu", autocast=contextlib.nullco
 
 
 def answer_lines(task, x, y, predictions, prompt, truth, written):
-    """describe() of a task that writes answers: the prompt, the truth, and the predictions
-    where y scores (hits/n tokens), or else what the model wrote after the prompt, if given."""
+    """describe()'s lines: the prompt, the truth, the predictions where y scores, or written."""
     lines = [f"prompt: {prompt}", f"truth : {truth}"]
     if predictions is not None:
         y = task.solve(x[None])[0] if y is None else y
@@ -159,14 +162,12 @@ class PointerChains(Task):
         values = torch.randint(0, self.vocab_size, (batch_size, k), generator=generator)
         # A uniform random permutation of 0..k-1 per block: argsort of uniform noise.
         perms = torch.rand(batch_size, n - 1, k, generator=generator).argsort(dim=-1)
-        previous_block_start = torch.arange(n - 1).view(1, n - 1, 1) * k
-        pointers = (previous_block_start + perms).view(batch_size, -1)  # blocks 1..n-1
-        x = torch.cat([values, pointers], dim=1)                        # (B, T)
+        pointers = perms + torch.arange(n - 1)[:, None] * k  # into the block before: (B, n-1, k)
+        x = torch.cat([values, pointers.view(batch_size, -1)], dim=1)  # (B, T)
         # Resolve block by block: a token's answer is the answer of the token it points at.
         y = x.clone()
         for b in range(1, n):
-            block = slice(b * k, (b + 1) * k)
-            y[:, block] = y.gather(1, x[:, block])
+            y[:, b * k:(b + 1) * k] = y.gather(1, x[:, b * k:(b + 1) * k])
         y[:, :k] = -1
         return x, y
 
@@ -265,14 +266,10 @@ def simulate(prompt):
     description, *operations = prompt.rstrip(".").split(". ")
     boxes, hops = {}, {}  # hops: implicit moves each item rode along with since it was named
     for clause in (description[:1].lower() + description[1:]).split(", "):
-        if m := re.fullmatch(r"there is nothing in Box (\w)", clause):
-            box, items = m[1], set()
-        elif m := re.fullmatch(r"(.+) (?:is|are) in Box (\w)", clause):
-            box, items = m[2], _items(m[1])
-        else:
+        if not (m := re.fullmatch(r"(?:there is nothing|(.+) (?:is|are)) in Box (\w)", clause)):
             raise ValueError(f"boxes: cannot read the description clause {clause!r}")
-        boxes[box] = items
-        hops.update(dict.fromkeys(items, 0))
+        boxes[m[2]] = _items(m[1]) if m[1] else set()
+        hops.update(dict.fromkeys(boxes[m[2]], 0))
     for op in operations:
         if m := re.fullmatch(r"Move the contents of Box (\w) to Box (\w)", op):
             source, target, items = m[1], m[2], boxes.get(m[1], set())
@@ -334,9 +331,9 @@ def _default_operations(rng, boxes, letters, n_ops, objects):
     while len(ops) < n_ops:
         op, b1 = rng.choice(("move", "put", "remove")), rng.randrange(len(boxes))
         source = boxes[b1]
+        if op != "put" and not source:  # nothing to move or remove
+            continue
         if op == "move":
-            if not source:
-                continue
             b2 = rng.choice([b for b in range(len(boxes)) if b != b1])
             moved = _nonempty_subset(rng, source)
             if len(boxes[b2]) + len(moved) > MAX_ITEMS:
@@ -356,8 +353,6 @@ def _default_operations(rng, boxes, letters, n_ops, objects):
             ops.append(f"Put {_the(put)} into Box {letters[b1]}.")
             source |= put
         else:
-            if not source:
-                continue
             removed = _nonempty_subset(rng, source)
             ops.append(f"Remove {_the(removed)} from Box {letters[b1]}.")
             source -= removed
@@ -373,8 +368,7 @@ def _advanced_operations(rng, boxes, letters, n_ops, objects):
     """Whole-box moves into an empty box, and put/remove pairs: as the paper's Table 6 shows."""
     ops = []
     while len(ops) < n_ops:
-        filled = [b for b in range(len(boxes)) if boxes[b]]
-        b1 = rng.choice(filled)
+        b1 = rng.choice([b for b in range(len(boxes)) if boxes[b]])  # a filled box
         if len(ops) == n_ops - 1 or rng.random() < ADVANCED_MOVE_PROBABILITY:
             b2 = rng.choice([b for b in range(len(boxes)) if not boxes[b]])
             ops.append(f"Move the contents of Box {letters[b1]} to Box {letters[b2]}.")
@@ -394,9 +388,7 @@ PAPER_SIZES = {
 
 
 def box_sizes(version="default", **sizes):
-    """The version's paper sizes with those given (None: the paper's), checked: boxes A.., boxes
-    holding one item at the start (advanced only), the first objects of OBJECTS that may appear,
-    min_ops..max_ops operations per example (log-uniform)."""
+    """The version's PAPER_SIZES with the sizes given (None: the paper's), checked."""
     if version == "default" and sizes.get("n_filled") is not None:
         raise ValueError("--n_filled sets the advanced version's filled boxes, not the default's")
     s = {**PAPER_SIZES[version], **{k: v for k, v in sizes.items() if v is not None}}
@@ -470,27 +462,21 @@ def write_whole(path, write):
 @functools.lru_cache(maxsize=4)
 def read_dataset(path, modified):
     """A boxes dataset file, read once per version (its mtime) and checked: two tables of token
-    ids (only tensors are unpickled), 64k columns wide, each row <bos> ... <sep> ... <eos>."""
+    ids as wide (only tensors are unpickled), each row <bos> ... <sep> ... <eos>."""
     try:
         data = torch.load(path, weights_only=True)
         splits = [data["train"], data["test"]]
-    except Exception:
-        splits = []
-    if not (splits and all(isinstance(r, torch.Tensor) and r.dtype == torch.uint8 and r.dim() == 2
-                           and r.numel() for r in splits)):
-        problem = "is not a boxes dataset (damaged, or from elsewhere)"
-    elif splits[0].size(1) != splits[1].size(1) or splits[0].size(1) % 64:
-        problem = f"has its columns cut (widths {[r.size(1) for r in splits]})"
-    elif max(int(r.max()) for r in splits) >= len(VOCAB):
-        problem = f"holds token ids past the vocabulary's {len(VOCAB)}"
-    elif not all((r[:, 0] == BOS).all() and ((r == SEP).sum(1) == 1).all()
-                 and ((r == EOS).sum(1) == 1).all()
-                 and ((r == SEP).int().argmax(1) < (r == EOS).int().argmax(1)).all()
-                 for r in splits):
-        problem = "holds rows that are not whole examples <bos> ... <sep> ... <eos>"
-    else:
-        return data
-    raise ValueError(f"{path} {problem}; delete it and it will be generated again")
+        whole = splits[0].size(1) == splits[1].size(1) and all(
+            r.dtype == torch.uint8 and r.dim() == 2 and r.numel() and int(r.max()) < len(VOCAB)
+            and (r[:, 0] == BOS).all() and ((r == SEP).sum(1) == 1).all()
+            and ((r == EOS).sum(1) == 1).all()
+            and ((r == SEP).int().argmax(1) < (r == EOS).int().argmax(1)).all() for r in splits)
+    except Exception:  # not a dict of two tables
+        whole = False
+    if not whole:
+        raise ValueError(f"{path} is not a whole boxes dataset of this vocabulary (damaged, or "
+                         "from elsewhere); delete it and it will be generated again")
+    return data
 
 
 def share_right(scores, by_depth=False):
@@ -510,10 +496,8 @@ class Boxes(Task):
 
     Only the answer and <eos> are scored, each token at the depth of the box its clause names
     (simulate()): Box C's is 1, as the cup came by "Move the contents", which does not name it.
-    Version "default": 7 boxes, 32 operations, every box described and answered; "advanced": 8
-    boxes, 4 holding one item, 1-31 operations, every move implicit, only filled boxes described
-    and answered. The examples are generated once, the splits apart by initial signature, and
-    cached in cache_dir; evaluate() also scores written answers.
+    "advanced" describes and answers only the filled boxes (one item each), every move implicit.
+    Examples are generated once and cached; test prompts start from unseen initial states.
     """
 
     needs = frozenset({"causal", "generation"})
@@ -550,10 +534,9 @@ class Boxes(Task):
             train_signatures, test_signatures = signature_split(version, seed, **self.sizes)
             data = {"train": self._generate(n_train, train_signatures, f"{seed}-train"),
                     "test": self._generate(n_test, test_signatures, f"{seed}-test")}
-            longest = max(int((rows != PAD).sum(1).max()) for rows in data.values())
             # Rounded up to 64: other --n_train or --data_seed then mostly share a block_size.
-            block_size = -(-longest // 64) * 64
-            data = {name: rows[:, :block_size].clone() for name, rows in data.items()}
+            width = -(-max(rows.size(1) for rows in data.values()) // 64) * 64
+            data = {name: F.pad(rows, (0, width - rows.size(1))) for name, rows in data.items()}
             if path:
                 os.makedirs(cache_dir, exist_ok=True)
                 write_whole(path, lambda temporary: torch.save(data, temporary))
@@ -561,24 +544,21 @@ class Boxes(Task):
         self.block_size = data["train"].size(1)
 
     def _generate(self, n, signatures, stream):
-        rng = random.Random(f"boxes-{self.version}-{stream}")
-        # <= 13 tokens per described box, per answered box and per operation, and 3 specials
-        width = 3 + 2 * 13 * self.sizes["n_boxes"] + 13 * self.sizes["max_ops"]
-        rows = torch.zeros(n, width, dtype=torch.uint8)
-        for i in tqdm(range(n), desc=f"boxes {self.version} {stream}",
+        rng, rows = random.Random(f"boxes-{self.version}-{stream}"), []
+        for _ in tqdm(range(n), desc=f"boxes {self.version} {stream}",
                       disable=True if n < 10_000 else None):  # None: only on a terminal
             prompt, answer = generate_example(rng, self.version, signatures, **self.sizes)
-            ids = [BOS, *encode(prompt), SEP, *encode(answer), EOS]
-            rows[i, :len(ids)] = torch.tensor(ids, dtype=torch.uint8)
-        return rows
+            rows.append(torch.tensor([BOS, *encode(prompt), SEP, *encode(answer), EOS],
+                                     dtype=torch.uint8))
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
     def sample(self, batch_size, generator=None, split="train"):
-        rows = self.rows[split]
-        return self.batch(rows[torch.randint(len(rows), (batch_size,), generator=generator)])
+        index = torch.randint(len(self.rows[split]), (batch_size,), generator=generator)
+        return self.batch(split, index)
 
-    def batch(self, rows):
-        """(x, y) of dataset rows (B, block_size), cut to the longest row of the batch."""
-        x = rows.long()
+    def batch(self, split, index):
+        """(x, y) of a split's rows at index (ids or a slice), cut to the longest of them."""
+        x = self.rows[split][index].long()
         x = x[:, :int((x != PAD).sum(1).max())]  # padding every row shares: it scores the same
         positions = torch.arange(x.size(1))
         sep = (x == SEP).int().argmax(1, keepdim=True)
@@ -587,28 +567,18 @@ class Boxes(Task):
         y = torch.where(answer, x.roll(-1, dims=1), -1)
         return x, y
 
-    def _along_answers(self, x, want_depth):
-        """(B, T): along each row's answer the simulator's answer ids or depths, else -1."""
-        out = torch.full_like(x, -1)
+    def labels_and_depths(self, x):
+        """(B, T) each: along each row's answer the simulator's answer ids and depths, else -1."""
+        y, depth = torch.full_like(x, -1), torch.full_like(x, -1)
         for r, row in enumerate(x.tolist()):
             sep = row.index(SEP)
             boxes, depths = simulate(decode(row[1:sep]))
             answer = encode(render_answer(boxes, self.version == "default")) + [EOS]
-            depth = []
-            for k, token in enumerate(answer):  # a clause's tokens, and <eos>, belong to its box
-                if token == TOKEN_IDS["Box"]:
+            for k, token in enumerate(answer[:x.size(1) - sep]):  # a clause's tokens, and <eos>,
+                if token == TOKEN_IDS["Box"]:                     # belong to its box
                     box = VOCAB[answer[k + 1]]
-                depth.append(depths[box])
-            values = depth if want_depth else answer
-            n = min(len(values), x.size(1) - sep)
-            out[r, sep:sep + n] = torch.tensor(values[:n])
-        return out
-
-    def solve(self, x):
-        return self._along_answers(x, want_depth=False)
-
-    def chain_depth(self, x):
-        return self._along_answers(x, want_depth=True)
+                y[r, sep + k], depth[r, sep + k] = token, depths[box]
+        return y, depth
 
     def prompt_and_answer(self, i, split="test"):
         """Row i of a split as (prompt ids <bos>...<sep>, expected answer text)."""
@@ -650,11 +620,11 @@ class Boxes(Task):
     def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
                  autocast=contextlib.nullcontext(), final=False):
         """Loss and accuracy on the first n_samples test rows, then their written answers'."""
-        rows = self.rows["test"][:n_samples]
-        batches = (self.batch(rows[start:start + batch_size])
-                   for start in range(0, len(rows), batch_size))
+        n = min(n_samples, len(self.rows["test"]))
+        batches = [self.batch("test", slice(start, min(start + batch_size, n)))
+                   for start in range(0, n, batch_size)]
         metrics = score_batches(model, batches, self, device, autocast)
-        answers = self.write_answers(model, len(rows), batch_size, device, autocast)
+        answers = self.write_answers(model, n, batch_size, device, autocast)
         return {**metrics, **self.score_answers(answers)}
 
     def encode(self, text):
@@ -670,6 +640,87 @@ class Boxes(Task):
         return answer_lines(self, x, y, predictions, decode(ids[1:sep]), truth, written)
 
 
+class BoxClauses(Boxes):
+    """The advanced boxes version with one token per clause (lesson 04's miniature): a filled box
+    described as `item@X`, a move as `S>D`, then a query `X?` per filled box, in letter order.
+    Each move is labelled with the item D now holds, each query with X's item, at its depth:
+    the implicit moves that item has ridden since it was named (as simulate()). Put/remove pairs
+    change no box and are left out. The words' prompt and clauses:
+
+        The cup is in Box B, the key is in Box E. Move the contents of Box B to Box A. ...
+        tokens  <bos>  cup@B  key@E  B>A  A>C  E>B  B?   C?
+        label     -      -      -    cup  cup  key  key  cup
+        depth     -      -      -     1    2    1    1    2
+    """
+
+    needs = frozenset()  # read, not written: every label is scored where its clause stands
+    flags = {name: flag for name, flag in Boxes.flags.items() if name != "boxes_version"}
+    train_defaults = {"n_layer": 2, "weight_init": "xavier", "batch_size": 64, "lr": 1e-3}
+    encode, decode = Task.encode, Task.decode
+
+    def __init__(self, n_train=2000, n_test=500, data_seed=0, cache_dir="data_cache",
+                 n_boxes=None, n_filled=3, n_objects=None, min_ops=None, max_ops=None):
+        super().__init__("advanced", n_train, n_test, data_seed, cache_dir, n_boxes, n_filled,
+                         n_objects, min_ops, max_ops)
+        letters, objects = LETTERS[:self.sizes["n_boxes"]], OBJECTS[:self.sizes["n_objects"]]
+        self.vocab = ["<pad>", "<bos>", *objects, *[f"{o}@{b}" for o in objects for b in letters],
+                      *[f"{a}>{b}" for a in letters for b in letters if a != b],
+                      *[f"{b}?" for b in letters]]
+        self.vocab_size = len(self.vocab)
+        self.block_size = 1 + 2 * self.sizes["n_filled"] + self.sizes["max_ops"]
+        self.is_query = torch.tensor([word.endswith("?") for word in self.vocab])
+        self.clause_rows = {}  # split -> (x, y): the prompts of the word rows, in clauses
+        for split, rows in self.rows.items():
+            x = torch.stack([self.clauses(decode(row[1:row.index(SEP)])) for row in rows.tolist()])
+            self.clause_rows[split] = (x, self.solve(x))
+
+    def clauses(self, prompt):
+        """Token ids (block_size,) of a prompt's text: <bos>, the description, the moves, the
+        queries, padding."""
+        described = re.findall(r"[Tt]he (\w+) is in Box (\w)", prompt.split(". ")[0])
+        moves = re.findall(r"Move the contents of Box (\w) to Box (\w)", prompt)
+        filled = sorted(box for box, items in simulate(prompt)[0].items() if items)
+        words = (["<bos>"] + [f"{item}@{box}" for item, box in described]
+                 + [f"{a}>{b}" for a, b in moves] + [f"{box}?" for box in filled])
+        ids = [self.vocab.index(word) for word in words]
+        return torch.tensor(ids + [0] * (self.block_size - len(ids)))
+
+    def labels_and_depths(self, x):
+        """(B, T) each: the labels and depths of clause ids x, by following the moves; else -1."""
+        y, depth = torch.full_like(x, -1), torch.full_like(x, -1)
+        for r, row in enumerate(x.tolist()):
+            boxes = {}  # letter -> (item id, implicit moves the item has ridden)
+            for t, word in enumerate(self.vocab[i] for i in row):
+                if "@" in word:
+                    item, box = word.split("@")
+                    boxes[box] = (self.vocab.index(item), 0)
+                elif word[1:2] in (">", "?"):  # a move S>D, or a query S?
+                    source, target = word[0], word[2:]
+                    if source not in boxes or target in boxes:
+                        raise ValueError(f"box_clauses: {word} at {t} reads an empty box or "
+                                         "fills a full one")
+                    item, hops = boxes.pop(source) if target else boxes[source]
+                    y[r, t], depth[r, t] = boxes[target or source] = item, hops + bool(target)
+        return y, depth
+
+    def batch(self, split, index):
+        return tuple(rows[index] for rows in self.clause_rows[split])
+
+    def evaluate(self, model, n_samples, batch_size, generator, device="cpu",
+                 autocast=contextlib.nullcontext(), final=False):
+        """Loss and accuracy on the first n_samples test rows; exact match: every query right."""
+        x, y = (t[:n_samples] for t in self.clause_rows["test"])
+        batches = [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+        queries = [(xb, yb.where(self.is_query[xb], -1)) for xb, yb in batches]  # only queries
+        exact = score_batches(model, queries, self, device, autocast)["eval_whole_sequences"]
+        return {**score_batches(model, batches, self, device, autocast), "eval_exact_match": exact}
+
+    def describe(self, x, y=None, predictions=None):
+        truth, depth = (t[0].tolist() for t in self.labels_and_depths(x[None]))
+        truth = "  ".join(f"{self.vocab[i]}({d})" for i, d in zip(truth, depth) if i != -1)
+        return answer_lines(self, x, y, predictions, self.decode(x), truth, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # Regular languages: the twelve length-generalisation tasks of RegularGPT (Chi et al. 2023,
 # Table 1), from Deletang et al.'s Chomsky-hierarchy suite and Bhattamishra et al.'s D_n and Tomita.
@@ -680,9 +731,7 @@ class LabelAtEnd(Task):
 
     The vocabulary is the input symbols, then the class tokens, so the LM head reads the label
     out: parity's x = 0 1 1 0 1 has y = -1 -1 -1 -1 3 (3: "odd", after 0, 1, even). A batch has
-    one length, uniform over train_lengths unless sample() is given one. A subclass labels a
-    batch in _draw (torch) and one string in answer() (for solve()). The last evaluation also
-    scores every test length: the share right, and its mean (the paper's score)."""
+    one length. A subclass labels a batch in _draw (torch) and one string in answer() (solve())."""
 
     name, symbols, classes = None, [], []
     default_lengths = (40, 500)  # (longest training length, longest test length)
@@ -699,8 +748,7 @@ class LabelAtEnd(Task):
                      length_samples=(length_samples, 1))
         self.length_samples = length_samples
         self.train_lengths = range(1, train_max + 1)
-        self.test_lengths = range(train_max + 1, test_max + 1)
-        self.block_size = test_max
+        self.test_lengths, self.block_size = range(train_max + 1, test_max + 1), test_max
         self.vocab = list(self.symbols) + list(self.classes)
         self.vocab_size = len(self.vocab)
 
@@ -777,12 +825,10 @@ class Parity(LabelAtEnd):
     probability p_one (0.5; the paper's Table 2 tries 0.1..0.9, in both splits)."""
 
     name, symbols, classes = "parity", ["0", "1"], ["even", "odd"]
-    flags = {**LabelAtEnd.flags, "p_one": dict(type=float, help="parity: probability of a 1 "
-                                               "(0.5; the paper's Table 2)")}
+    flags = {**LabelAtEnd.flags, "p_one": dict(type=float, help="parity: chance of a 1 (0.5)")}
 
     def __init__(self, p_one=0.5, max_train_length=None, max_test_length=None, length_samples=128):
-        if not 0 < p_one < 1:
-            raise ValueError(f"--p_one {p_one} must lie in (0, 1)")
+        check_ranges(p_one=(p_one, 0, 1))
         super().__init__(max_train_length, max_test_length, length_samples)
         self.p_one = p_one
 
@@ -845,11 +891,9 @@ class ModularArithmetic(LabelAtEnd):
 
 
 class DFARecognition(LabelAtEnd):
-    """Recognition of a regular language given by a DFA: label yes (a member) or no.
-
-    Batches are half members, half not (where the length has both), each uniform among the
-    strings of its kind and length (a symbol drawn in proportion to the strings completing it);
-    is_member() checks apart."""
+    """Recognition of a regular language given by a DFA: label yes (a member) or no. Batches are
+    half members, half not (where the length has both), each uniform among the strings of its
+    kind and length (a symbol drawn in proportion to the strings completing it)."""
 
     classes = ["no", "yes"]
     default_lengths = (50, 100)
@@ -874,8 +918,7 @@ class DFARecognition(LabelAtEnd):
     def _walk(self, n, length, want, generator):
         """n strings of this length, uniform among members (want=True) or non-members."""
         counts = self._count_table(want, length)
-        x = torch.zeros(n, length, dtype=torch.long)
-        state = torch.zeros(n, dtype=torch.long)
+        x, state = torch.zeros(n, length, dtype=torch.long), torch.zeros(n, dtype=torch.long)
         for t in range(length):
             weights = counts[length - t - 1][self.transitions[state]]  # (n, symbols)
             x[:, t] = torch.multinomial(weights, 1, generator=generator).squeeze(1)
@@ -912,12 +955,8 @@ class BoundedDyck(DFARecognition):
         super().__init__(transitions, [0], max_train_length, max_test_length, length_samples)
 
     def is_member(self, text):
-        depth = 0
-        for bracket in text:
-            depth += 1 if bracket == "a" else -1
-            if not 0 <= depth <= self.max_depth:
-                return False
-        return depth == 0
+        depths = [0, *itertools.accumulate(1 if bracket == "a" else -1 for bracket in text)]
+        return depths[-1] == 0 and all(0 <= depth <= self.max_depth for depth in depths)
 
 
 class Tomita(DFARecognition):
@@ -944,10 +983,8 @@ class Tomita(DFARecognition):
         super().__init__(*self.DFAS[number], max_train_length, max_test_length, length_samples)
 
     def is_member(self, text):
-        if self.number == 3:
-            runs = [(bit, len(list(run))) for bit, run in itertools.groupby(text)]
-            return not any(bit == "1" and n % 2 == 1 and next_n % 2 == 1
-                           for (bit, n), (_, next_n) in itertools.pairwise(runs))
+        if self.number == 3:  # a whole odd run of 1s, then a whole odd run of 0s
+            return not re.search(r"(?<!1)1(11)*0(00)*(?!0)", text)
         if self.number == 4:
             return "000" not in text
         zeros, ones = text.count("0"), text.count("1")
@@ -984,9 +1021,8 @@ class LEGO(Task):
         y         -        1  -  -  -  -  1  -  -  -  -  0  -  -  -  -  -
         chain     -        2  -  -  -  -  0  -  -  -  -  1  -  -  -  -  -
 
-    A label sits on its clause's variable: a's needs c, written after it (a bidirectional
-    model). Training scores chain positions #0..#n_supervised-1 (all by default), plus #n-1 with
-    supervise_last (Section 4.3); the test scores every one.
+    A label sits on its clause's variable: a's needs c, written after it (a bidirectional model).
+    Training scores the chain positions of --n_supervised and --supervise_last; the test all.
     """
 
     needs = frozenset({"bidirectional"})
@@ -1010,8 +1046,7 @@ class LEGO(Task):
         self.first_op, self.first_value = len(LEGO_WORDS), len(LEGO_WORDS) + len(self.ops)
         self.broadcast_ids = (LEGO_CLS, LEGO_SEP)
         self.supervised = torch.arange(n_vars) < (n_supervised or n_vars)
-        if supervise_last:
-            self.supervised[-1] = True
+        self.supervised[-1] |= bool(supervise_last)
 
     def sample(self, batch_size, generator=None, split="train"):
         B, n = batch_size, self.n_vars
@@ -1022,10 +1057,8 @@ class LEGO(Task):
         ops[:, 0] = 0  # the root's op is the identity (+, p012): #0 reads its value directly
         root_value = torch.randint(n_values, (B,), generator=generator)
         values = torch.empty(B, n, dtype=torch.long)
-        previous = root_value
         for i in range(n):  # walk the chain: clause i's op acts on the value before it
-            values[:, i] = self.images[ops[:, i], previous]
-            previous = values[:, i]
+            values[:, i] = self.images[ops[:, i], values[:, i - 1] if i else root_value]
 
         # Clause i in tokens; its argument is the root's value, or the previous variable.
         variable_ids = variables + LEGO_FIRST_VARIABLE
@@ -1046,20 +1079,6 @@ class LEGO(Task):
         y[:, 1:-1:5] = labels.gather(1, order)  # on each clause's left-hand variable
         return x, y
 
-    def chain_depth(self, x):
-        B, n = x.size(0), self.n_vars
-        clauses = x[:, 1:-1].reshape(B, n, 5)
-        defined, argument = clauses[:, :, 0], clauses[:, :, 3]
-        is_root = argument >= self.first_value
-        # parent[s]: the slot whose variable clause s reads (an arbitrary one for the root).
-        parent = (argument[:, :, None] == defined[:, None, :]).long().argmax(dim=2)
-        position = torch.zeros(B, n, dtype=torch.long, device=x.device)
-        for _ in range(n - 1):  # after k rounds, every clause within k steps of the root is right
-            position = torch.where(is_root, 0, position.gather(1, parent) + 1)
-        depth = torch.full_like(x, -1)
-        depth[:, 1:-1:5] = position
-        return depth
-
     @staticmethod
     def apply(op, value):
         """The value (a word) op gives value: + keeps, - flips; pABC·XYZ sends i to ABC[XYZ[i]]."""
@@ -1067,25 +1086,27 @@ class LEGO(Task):
             return value if op == "+" else str(1 - int(value))
         return "".join(op[1 + int(digit)] for digit in value)
 
-    def solve(self, x):
+    def labels_and_depths(self, x):
         if x.size(1) != self.block_size:
             raise ValueError(f"lego: {x.size(1)} tokens, not the {self.block_size} of a sequence")
-        y = torch.full_like(x, -1)
+        y, depth = torch.full_like(x, -1), torch.full_like(x, -1)
         for row, ids in enumerate(x.tolist()):
             clauses = [[self.vocab[i] for i in ids[s:s + 5]] for s in range(1, len(ids) - 1, 5)]
-            known = {}
+            known = {}  # variable -> (value, chain position)
             for _ in clauses:  # a pass resolves one more link of the chain at least
                 for variable, _, op, argument, _ in clauses:
                     if argument in self.value_words or argument in known:
-                        known[variable] = self.apply(op, known.get(argument, argument))
+                        value, position = known.get(argument, (argument, -1))
+                        known[variable] = (self.apply(op, value), position + 1)
             if len(known) < len(clauses):
                 raise ValueError(f"lego: row {row} is not one chain: {self.decode(ids)}")
             for s, (variable, *_) in enumerate(clauses):
-                y[row, 1 + 5 * s] = self.vocab.index(known[variable])
-        return y
+                value, position = known[variable]
+                y[row, 1 + 5 * s], depth[row, 1 + 5 * s] = self.vocab.index(value), position
+        return y, depth
 
     def describe(self, x, y=None, predictions=None):
-        truth, depth = self.solve(x[None])[0], self.chain_depth(x[None])[0]
+        truth, depth = (t[0] for t in self.labels_and_depths(x[None]))
         slots = sorted(range(1, x.size(0) - 1, 5), key=lambda t: int(depth[t]))  # chain order
 
         def chain(labels):
@@ -1157,40 +1178,25 @@ def copies(idx, start_id, sep_id):
     return (segment > 0) & (segment % 2 == 1)
 
 
-def padded_training_forms(idx, start_id, sep_id):
-    """(tokens, positions, groups) (B, L) of idx in the training form, and last (B,) real token."""
-    forms = [torch.tensor(training_form(row, start_id, sep_id)) for row in idx.tolist()]
-    lengths = torch.tensor([len(form) for form in forms], device=idx.device)
-    padded = torch.nn.utils.rnn.pad_sequence(forms, batch_first=True).to(idx.device)
-    positions, groups = inductive_layout(padded, start_id, sep_id)
-    # Padding on the right is unseen by the real tokens (causal); keep its positions in range.
-    pad = torch.arange(padded.size(1), device=idx.device) >= lengths[:, None]
-    return padded, positions.masked_fill(pad, 0), groups.masked_fill(pad, DEAD), lengths - 1
-
-
-def forget(caches, current_groups):
-    """Drop the cache entries no row sees any more: all but group 0 and its current group (B,)."""
-    groups = caches[0].groups                                                    # (B, T_seen)
-    columns = ((groups == 0) | (groups == current_groups[:, None])).any(dim=0)
-    if not columns.all():
-        for cache in caches:
-            cache.keep(columns)
-
-
 @torch.no_grad()
 def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, use_cache=True,
                        stop_token=None):
     """Continue idx (B, T) greedily by max_new_tokens tokens under the inductive layout: (B, T +
-    new) in the plain form Q : s1 # s2 # .... Each step lays out the training form so far; with a
-    cache only what it has not read, and the cache forgets the groups no row sees. It stops
-    early if a state outgrows the position table, or when every row has written stop_token."""
+    new) in the plain form Q : s1 # s2 # .... Each step lays out the training form so far (with a
+    cache, what it has not read); it stops once all wrote stop_token or positions run out."""
     B, T, device = *idx.shape, idx.device
     with evaluating(model):
         caches = model.new_caches() if use_cache else None
         read = torch.zeros(B, dtype=torch.long, device=device)  # form tokens the cache has seen
         for _ in range(max_new_tokens):
-            tokens, positions, groups, last = padded_training_forms(idx, start_id, sep_id)
-            current = groups[torch.arange(B), last]  # each row's group: what forget() keeps
+            forms = [torch.tensor(training_form(row, start_id, sep_id)) for row in idx.tolist()]
+            last = torch.tensor([len(form) - 1 for form in forms], device=device)
+            tokens = torch.nn.utils.rnn.pad_sequence(forms, batch_first=True).to(device)
+            positions, groups = inductive_layout(tokens, start_id, sep_id)
+            # Padding on the right is unseen by the real tokens (causal): positions kept in range.
+            pad = torch.arange(tokens.size(1), device=device) > last[:, None]
+            positions, groups = positions.masked_fill(pad, 0), groups.masked_fill(pad, DEAD)
+            current = groups[torch.arange(B), last]  # each row's group: what the cache keeps
             if use_cache:  # the form not read yet, but a state's closing #: its copy is read
                 segment = segments(tokens, start_id, sep_id)
                 column = torch.arange(tokens.size(1), device=device)
@@ -1206,8 +1212,12 @@ def generate_inductive(model, idx, max_new_tokens, start_id, sep_id, use_cache=T
             if model.config.pos == "learned" and int(positions.max()) >= model.config.block_size:
                 break
             logits = model(tokens, caches=caches, positions=positions, groups=groups)[0]
-            if use_cache:
-                forget(caches, current)
+            if use_cache:  # forget what no row sees any more: all but group 0 and its group
+                seen = caches[0].groups                                          # (B, T_seen)
+                columns = ((seen == 0) | (seen == current[:, None])).any(dim=0)
+                if not columns.all():
+                    for cache in caches:
+                        cache.keep(columns)
             idx = torch.cat([idx, logits[torch.arange(B), last].argmax(-1, keepdim=True)], dim=1)
             if stop_token is not None and (idx[:, T:] == stop_token).any(1).all():
                 break
@@ -1237,10 +1247,8 @@ class Cycles(Task):
         full       v54 > v58 > v77 > v46 ; 1 .
         inductive  : v58 # v77 # v46 # 1 .
 
-    "full" is the DFS scratchpad, each step written with every earlier one in view; "inductive"
-    the scratchpad above (states after ":", one node each; copies unscored; layout(x) gives the
-    positions and groups). Only what follows the prompt is scored (--score_question: the
-    question too, as the paper's loss); the test split may have its own n and distance.
+    "full" writes the walk first, each step with every earlier one in view; "inductive" writes
+    the states of the scratchpad above (copies unscored; layout(x) gives positions and groups).
     """
 
     needs = frozenset({"causal", "generation"})
@@ -1357,19 +1365,16 @@ class Cycles(Task):
         """Each row's prompt (a list of ids): the edges, the query, and ":" if inductive."""
         return [ids[:ids.index(CYCLE_QUERY) + 3] + self.start for ids in x.tolist()]
 
-    def solve(self, x):
-        _, y = self._rows(self.prompts(x))
-        return y[:, :x.size(1)]
-
-    def chain_depth(self, x):
-        steps = torch.tensor([len(self.walk(prompt)[0]) for prompt in self.prompts(x)])
-        return torch.where(self.solve(x) != -1, steps[:, None], -1)
+    def labels_and_depths(self, x):
+        prompts = self.prompts(x)
+        y = self._rows(prompts)[1][:, :x.size(1)]
+        steps = torch.tensor([len(self.walk(prompt)[0]) for prompt in prompts])
+        return y, torch.where(y != -1, steps[:, None], -1)
 
     def layout(self, x):
         if self.scratchpad != "inductive":
             return {}
-        positions, groups = inductive_layout(x, CYCLE_START, CYCLE_SEP)
-        return {"positions": positions, "groups": groups}
+        return dict(zip(("positions", "groups"), inductive_layout(x, CYCLE_START, CYCLE_SEP)))
 
     def generate(self, model, idx, max_new_tokens, use_cache=True):
         if self.scratchpad == "inductive":
@@ -1428,13 +1433,11 @@ def python_docs_corpus(cache_dir="data_cache"):
     path = os.path.join(cache_dir, f"python{platform.python_version()}-docs.txt")
     if os.path.exists(path):
         return path
-    docs = [topics[name] for name in sorted(topics)]
-    stdlib = sysconfig.get_paths()["stdlib"]
-    for name in sorted(n for n in os.listdir(stdlib) if n.endswith(".py")):
-        tree = ast.parse(pathlib.Path(stdlib, name).read_text(encoding="utf-8"))
-        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-        docs += [doc for node in ast.walk(tree) if isinstance(node, kinds)
-                 and len(doc := ast.get_docstring(node) or "") >= 200]
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    docs = [topics[name] for name in sorted(topics)] + [
+        doc for file in files for node in ast.walk(ast.parse(file.read_text(encoding="utf-8")))
+        if isinstance(node, kinds) and len(doc := ast.get_docstring(node) or "") >= 200]
     corpus = "\n\n".join(docs).encode("utf-8")
     os.makedirs(cache_dir, exist_ok=True)
     write_whole(path, lambda temporary: pathlib.Path(temporary).write_bytes(corpus))
@@ -1461,8 +1464,7 @@ class Text(Task):
         x      84  111  109   39  115   32   99   97         (UTF-8 bytes)
         y     111  109   39  115   32   99   97  116         (x moved left by one)
 
-    evaluate() scores consecutive validation windows and adds the perplexity; data None reads
-    the default corpus (python_docs_corpus)."""
+    evaluate() scores consecutive validation windows and adds the perplexity."""
 
     needs = frozenset({"causal", "generation"})  # sample.py continues a prompt
     train_defaults = {"n_layer": 4, "lr": 1e-3, "eval_samples": 256}
@@ -1544,6 +1546,7 @@ class Text(Task):
 TASKS = {
     "toy": PointerChains,
     "boxes": Boxes,
+    "box_clauses": BoxClauses,
     "even_pairs": EvenPairs,
     "parity": Parity,
     "cycle_navigation": CycleNavigation,
@@ -1580,9 +1583,8 @@ def task_from_settings(settings):
     """The task of a run's settings (train.py's flags, e.g. a checkpoint's "args"): the options
     it takes, where set; a task flag set for a task that does not take it is an error."""
     name = settings["task"]
-    options = set(inspect.signature(TASKS[name]).parameters) if name in TASKS else set()
-    stray = [flag for flag in task_flags() if settings.get(flag) is not None
-             and name in TASKS and flag not in options]
+    options = inspect.signature(TASKS[name]).parameters if name in TASKS else task_flags()
+    stray = [f for f in task_flags() if f not in options and settings.get(f) is not None]
     if stray:
         raise ValueError(f"--{stray[0]} is not an option of --task {name}; drop it")
     return get_task(name, **{k: settings[k] for k in options if settings.get(k) is not None})

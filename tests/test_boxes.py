@@ -281,3 +281,26 @@ def test_dataset_is_cached_once_and_reused(tmp_path, monkeypatch):
     for changed in (dict(data_seed=2), dict(n_boxes=5, n_objects=20)):  # a new seed or size: a new file
         with pytest.raises(BaseException, match="generated again"):
             get_task("boxes", **{**options, **changed})
+
+
+def test_box_clauses_labels_and_depths_equal_the_simulators_on_1000_prompts(tmp_path):
+    t = get_task("box_clauses", n_train=1, n_test=1000, n_objects=10, min_ops=4, max_ops=31,
+                 cache_dir=str(tmp_path))
+    x, y = t.clause_rows["test"]
+    assert torch.equal(t.solve(x), y) and torch.equal((t.chain_depth(x) == -1), y == -1)
+    depths = t.chain_depth(x)
+    for r, row in enumerate(t.rows["test"].tolist()):
+        prompt = decode(row[1:row.index(SEP)])
+        description, *operations = prompt.rstrip(".").split(". ")
+        expected = []  # (item, depth) the simulator gives each move's target, then each query
+        for k, op in enumerate(operations):
+            if op.startswith("Move the contents"):
+                boxes, box_depth = simulate(". ".join([description, *operations[:k + 1]]) + ".")
+                expected.append((*boxes[op[-1]], box_depth[op[-1]]))
+        boxes, box_depth = simulate(prompt)
+        expected += [(*boxes[b], box_depth[b]) for b in sorted(boxes) if boxes[b]]
+        scored = y[r] != -1
+        got = [(t.vocab[i], d) for i, d in zip(y[r][scored].tolist(), depths[r][scored].tolist())]
+        assert got == expected, prompt
+    counts = collections.Counter(depths[y != -1].tolist())
+    assert all(counts[d] >= 50 for d in range(1, 9)), counts  # the lesson's depths 1..8
