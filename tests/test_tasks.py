@@ -35,7 +35,8 @@ def corpus(tmp_path_factory):
 
 SMALL = {"toy": dict(n_blocks=4, block_len=2), "lego": dict(n_vars=4), "cycles": dict(cycle_n=3),
          "boxes": dict(boxes_version="advanced", n_boxes=3, n_filled=2, n_objects=4, max_ops=2,
-                       n_train=8, n_test=4, cache_dir=None)}
+                       n_train=8, n_test=4, cache_dir=None),
+         "box_clauses": dict(n_boxes=4, n_objects=4, max_ops=4, n_train=8, n_test=4, cache_dir=None)}
 
 
 @pytest.mark.parametrize("name", list(TASKS))

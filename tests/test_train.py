@@ -207,7 +207,8 @@ def test_sample_reads_a_typed_prompt_as_its_task_reads_text(tmp_path, monkeypatc
 GRID = {"toy": dict(n_blocks=3, block_len=2), "parity": dict(max_train_length=4, max_test_length=6, length_samples=2),
         "lego": dict(n_vars=3), "cycles": dict(cycle_n=2, scratchpad="inductive"),
         "text": dict(context=8, data="corpus.txt"),
-        "boxes": dict(boxes_version="advanced", n_boxes=3, n_filled=2, n_objects=4, max_ops=2, n_train=8, n_test=4)}
+        "boxes": dict(boxes_version="advanced", n_boxes=3, n_filled=2, n_objects=4, max_ops=2, n_train=8, n_test=4),
+        "box_clauses": dict(n_boxes=4, n_objects=4, max_ops=4, n_train=8, n_test=4)}
 
 
 @pytest.mark.parametrize("task", list(GRID))
