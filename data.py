@@ -667,6 +667,7 @@ class BoxClauses(Boxes):
                       *[f"{a}>{b}" for a in letters for b in letters if a != b],
                       *[f"{b}?" for b in letters]]
         self.vocab_size = len(self.vocab)
+        self.ids = {word: i for i, word in enumerate(self.vocab)}  # read once per clause token
         self.block_size = 1 + 2 * self.sizes["n_filled"] + self.sizes["max_ops"]
         self.is_query = torch.tensor([word.endswith("?") for word in self.vocab])
         self.clause_rows = {}  # split -> (x, y): the prompts of the word rows, in clauses
@@ -675,14 +676,13 @@ class BoxClauses(Boxes):
             self.clause_rows[split] = (x, self.solve(x))
 
     def clauses(self, prompt):
-        """Token ids (block_size,) of a prompt's text: <bos>, the description, the moves, the
-        queries, padding."""
+        """Token ids (block_size,) of a prompt: <bos>, description, moves, queries, padding."""
         described = re.findall(r"[Tt]he (\w+) is in Box (\w)", prompt.split(". ")[0])
         moves = re.findall(r"Move the contents of Box (\w) to Box (\w)", prompt)
         filled = sorted(box for box, items in simulate(prompt)[0].items() if items)
         words = (["<bos>"] + [f"{item}@{box}" for item, box in described]
                  + [f"{a}>{b}" for a, b in moves] + [f"{box}?" for box in filled])
-        ids = [self.vocab.index(word) for word in words]
+        ids = [self.ids[word] for word in words]
         return torch.tensor(ids + [0] * (self.block_size - len(ids)))
 
     def labels_and_depths(self, x):
@@ -693,7 +693,7 @@ class BoxClauses(Boxes):
             for t, word in enumerate(self.vocab[i] for i in row):
                 if "@" in word:
                     item, box = word.split("@")
-                    boxes[box] = (self.vocab.index(item), 0)
+                    boxes[box] = (self.ids[item], 0)
                 elif word[1:2] in (">", "?"):  # a move S>D, or a query S?
                     source, target = word[0], word[2:]
                     if source not in boxes or target in boxes:
