@@ -527,7 +527,7 @@ class Boxes(Task):
         rules = repr((OBJECTS, LETTERS, VOCAB, MAX_ITEMS, ADVANCED_MOVE_PROBABILITY)).encode()
         filename = (f"boxes-{version}-{sizes}-seed{seed}-{n_train}+{n_test}-"
                     f"{hashlib.sha256(rules).hexdigest()[:8]}.pt")
-        path = os.path.join(cache_dir, filename) if cache_dir else None
+        self.path = path = os.path.join(cache_dir, filename) if cache_dir else None
         if path and os.path.exists(path):
             data = read_dataset(path, os.path.getmtime(path))
         else:
@@ -633,8 +633,7 @@ class Boxes(Task):
         return torch.tensor(ids if "<" in text else [BOS, *ids, SEP], dtype=torch.long)
 
     def describe(self, x, y=None, predictions=None):
-        ids = x.tolist()
-        sep = ids.index(SEP)
+        ids, sep = x.tolist(), x.tolist().index(SEP)
         truth = render_answer(simulate(decode(ids[1:sep]))[0], self.version == "default")
         written = decode(ids[sep + 1:], written=True) if len(ids) > sep + 1 else None
         return answer_lines(self, x, y, predictions, decode(ids[1:sep]), truth, written)
@@ -666,23 +665,27 @@ class BoxClauses(Boxes):
         self.vocab = ["<pad>", "<bos>", *objects, *[f"{o}@{b}" for o in objects for b in letters],
                       *[f"{a}>{b}" for a in letters for b in letters if a != b],
                       *[f"{b}?" for b in letters]]
-        self.vocab_size = len(self.vocab)
-        self.ids = {word: i for i, word in enumerate(self.vocab)}  # read once per clause token
+        self.vocab_size, self.ids = len(self.vocab), {word: i for i, word in enumerate(self.vocab)}
         self.block_size = 1 + 2 * self.sizes["n_filled"] + self.sizes["max_ops"]
         self.is_query = torch.tensor([word.endswith("?") for word in self.vocab])
-        self.clause_rows = {}  # split -> (x, y): the prompts of the word rows, in clauses
-        for split, rows in self.rows.items():
-            x = torch.stack([self.clauses(decode(row[1:row.index(SEP)])) for row in rows.tolist()])
-            self.clause_rows[split] = (x, self.solve(x))
+        vocab_hash = hashlib.md5(str(self.vocab).encode()).hexdigest()[:8]
+        path = self.path and self.path.replace(".pt", f"-clauses-{vocab_hash}.pt")
+        try:  # split -> (x, y): the word rows' prompts in clauses, parsed once, then from a file
+            self.clause_rows = torch.load(path, weights_only=True)
+        except Exception:  # no file yet, or not one that torch reads: parsed again
+            x = {s: torch.stack([self.clauses(decode(r[1:r.index(SEP)])) for r in rows.tolist()])
+                 for s, rows in self.rows.items()}
+            self.clause_rows = {s: (x[s], self.solve(x[s])) for s in x}
+            if path:
+                write_whole(path, lambda temporary: torch.save(self.clause_rows, temporary))
 
     def clauses(self, prompt):
         """Token ids (block_size,) of a prompt: <bos>, description, moves, queries, padding."""
         described = re.findall(r"[Tt]he (\w+) is in Box (\w)", prompt.split(". ")[0])
         moves = re.findall(r"Move the contents of Box (\w) to Box (\w)", prompt)
         filled = sorted(box for box, items in simulate(prompt)[0].items() if items)
-        words = (["<bos>"] + [f"{item}@{box}" for item, box in described]
-                 + [f"{a}>{b}" for a, b in moves] + [f"{box}?" for box in filled])
-        ids = [self.ids[word] for word in words]
+        ids = [self.ids[word] for word in ["<bos>"] + [f"{item}@{box}" for item, box in described]
+               + [f"{a}>{b}" for a, b in moves] + [f"{box}?" for box in filled]]
         return torch.tensor(ids + [0] * (self.block_size - len(ids)))
 
     def labels_and_depths(self, x):
@@ -746,8 +749,7 @@ class LabelAtEnd(Task):
         test_max = self.default_lengths[1] if max_test_length is None else max_test_length
         check_ranges(max_train_length=(train_max, 1), max_test_length=(test_max, train_max + 1),
                      length_samples=(length_samples, 1))
-        self.length_samples = length_samples
-        self.train_lengths = range(1, train_max + 1)
+        self.length_samples, self.train_lengths = length_samples, range(1, train_max + 1)
         self.test_lengths, self.block_size = range(train_max + 1, test_max + 1), test_max
         self.vocab = list(self.symbols) + list(self.classes)
         self.vocab_size = len(self.vocab)
@@ -795,8 +797,7 @@ class LabelAtEnd(Task):
 
     def describe(self, x, y=None, predictions=None):
         words = [self.vocab[i] for i in x.tolist()]
-        if len(words) > 60:
-            words = words[:28] + ["…"] + words[-28:]
+        words = words[:28] + ["…"] + words[-28:] if len(words) > 60 else words
         glue = "" if all(len(s) == 1 for s in self.symbols) else " "
         truth = self.vocab[int(self.solve(x[None])[0, -1] if y is None else y[-1])]
         line = f"{self.name}, length {x.size(0)}: {glue.join(words)}\ntruth {truth}"
@@ -927,9 +928,8 @@ class DFARecognition(LabelAtEnd):
 
     def _draw(self, batch_size, length, generator):
         has = {want: self._count_table(want, length)[length][0] > 0 for want in (True, False)}
-        n_yes = batch_size // 2
-        if batch_size % 2:  # the odd row by a coin flip: a batch of one (sample.py) can be either
-            n_yes += int(torch.randint(2, (1,), generator=generator))
+        # Half members; an odd batch's odd row by a coin flip (a batch of one, sample.py's, either).
+        n_yes = (batch_size + int(torch.randint(2, (1,), generator=generator))) // 2
         if not (has[True] and has[False]):  # a length with members only, or none
             n_yes = batch_size * int(has[True])
         x = torch.cat([self._walk(n_yes, length, True, generator),
