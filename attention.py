@@ -59,11 +59,9 @@ def chacal_attention(q, k, v, gamma, past_k=None, past_mixed=None, causal=True, 
             # The solver takes the diagonal as 1 (unitriangular) and ignores the upper triangle, so
             # -γA among the new tokens *is* I - γA' to it: the diagonal leaves the inverse for free.
             return torch.linalg.solve_triangular(-gamma * own, rhs, upper=False, unitriangular=True)
-        if not keep_diagonal:
-            own = own - torch.diag_embed(own.diagonal(dim1=-2, dim2=-1))
-        system = torch.eye(own.size(-1), dtype=dtype, device=q.device) - gamma * own
-        return (torch.linalg.solve_triangular(system, rhs, upper=False) if causal
-                else torch.linalg.solve(system, rhs))
+        eye = torch.eye(own.size(-1), dtype=dtype, device=q.device)
+        system = eye - gamma * (own if keep_diagonal else own * (1 - eye))  # I - γA' (or I - γA)
+        return torch.linalg.solve_triangular(system, rhs, upper=False) if causal else torch.linalg.solve(system, rhs)
 
 
 class LayerCache:
@@ -164,8 +162,8 @@ class ChaCALAttention(StandardAttention):
 
     def mix(self, q, k, v, cache, depth, groups=None):
         if cache is not None and q.size(-2) == 1 and not self.keep_diagonal:
-            # One new token's row is plain attention over the cached m_i and its own (1-γ)v_t.
-            y = super().mix(q, k, (1 - self.gamma) * v, cache, depth, groups)
+            # One new token: attention over the cached m_i and its own (1-γ)v_t, as v - γv (no scalar tensor)
+            y = super().mix(q, k, torch.add(v, v, alpha=-self.gamma), cache, depth, groups)
             cache.values[..., -1:, :].add_(y, alpha=self.gamma)  # m_t = (1-γ)v_t + γy_t
             return y
         past = LayerCache() if cache is None else cache  # the tokens solved before these
@@ -377,8 +375,9 @@ ATTENTIONS = {"standard": StandardAttention, "chacal": ChaCALAttention,  # the -
               "lego_v0": LEGOAttention, "lego_v1": LEGOAttentionV1}
 
 
-CHACAL_ROWS_PER_BLOCK = 32  # query rows per block
-CHACAL_BLOCKED_FROM = 128   # ChaCALAttention takes the blocked path from this many tokens on a CPU
+CHACAL_ROWS_PER_BLOCK = 32  # query rows per block: larger ones are faster on long inputs, and hold more memory
+CHACAL_BLOCKED_FROM = 64  # ChaCALAttention takes the blocked path from this many tokens on a CPU
+CHACAL_KEEP_WEIGHTS_UP_TO = 1024  # tokens up to which backward keeps A (T²/2 floats) over recomputing it
 
 
 def blocked_chacal_attention(q, k, v, gamma, rows_per_block=CHACAL_ROWS_PER_BLOCK):
@@ -388,15 +387,14 @@ def blocked_chacal_attention(q, k, v, gamma, rows_per_block=CHACAL_ROWS_PER_BLOC
         return BlockedChaCAL.apply(q, k, v, gamma, rows_per_block, dtype)
 
 
-def block_weights(q_block, keys, log_normaliser=None):
-    """A (B, nh, n, n_keys) for n queries, the last of the keys, and its rows' log Σ exp."""
+def block_weights(q_block, keys):
+    """A (B, nh, n, n_keys) for n queries, the last of the keys: their causal softmax."""
     scores = (q_block / math.sqrt(q_block.size(-1))) @ keys.transpose(-2, -1)  # (B, nh, n, n_keys)
     n = q_block.size(-2)
     future = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
     scores[..., -n:].masked_fill_(future, float("-inf"))  # only the last n columns hold a future
-    if log_normaliser is None:
-        log_normaliser = scores.logsumexp(dim=-1, keepdim=True)
-    return scores.sub_(log_normaliser).exp_(), log_normaliser  # in place: one n x n_keys buffer
+    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the softmax in place: one n x n_keys buffer
+    return scores.div_(scores.sum(dim=-1, keepdim=True))
 
 
 class BlockedChaCAL(torch.autograd.Function):
@@ -408,25 +406,25 @@ class BlockedChaCAL(torch.autograd.Function):
         keys, n = k.to(dtype), q.size(-2)
         mixed = keys.new_empty(*keys.shape[:-1], v.size(-1))  # v's width: attention_map solves I
         y = v.new_empty(v.shape, dtype=dtype)                               # (B, nh, T, hs)
-        log_normaliser = v.new_empty(*v.shape[:-1], 1, dtype=dtype)         # (B, nh, T, 1)
+        kept = [] if n <= CHACAL_KEEP_WEIGHTS_UP_TO and any(ctx.needs_input_grad) else None
         for start in range(0, n, rows_per_block):
             stop = min(start + rows_per_block, n)
-            v_b = v[..., start:stop, :].to(dtype)
-            A, log_normaliser[..., start:stop, :] = block_weights(q[..., start:stop, :].to(dtype),
-                                                                  keys[..., :stop, :])
-            own = A[..., start:]                                            # (B, nh, n, n)
-            rhs = A[..., :start] @ mixed[..., :start, :] + (1 - gamma) * own @ v_b
-            y_b = torch.linalg.solve_triangular(-gamma * own, rhs, upper=False, unitriangular=True)
+            mixed[..., start:stop, :] = v[..., start:stop, :].to(dtype) * (1 - gamma)  # own: (1-γ)v
+            A = block_weights(q[..., start:stop, :].to(dtype), keys[..., :stop, :])
+            y_b = torch.linalg.solve_triangular(A[..., start:] * -gamma, A @ mixed[..., :stop, :],
+                                                upper=False, unitriangular=True)
             y[..., start:stop, :] = y_b
-            mixed[..., start:stop, :] = torch.lerp(v_b, y_b, gamma)  # (1-γ)v + γy
-        ctx.save_for_backward(q, k, v, y, log_normaliser)  # q, k, v as given: float32 costs more
-        ctx.gamma, ctx.rows_per_block = gamma, rows_per_block
+            mixed[..., start:stop, :].add_(y_b, alpha=gamma)  # m = (1-γ)v + γy
+            if kept is not None:
+                kept.append(A)
+        ctx.save_for_backward(q, k, v, y)  # q, k, v as given: float32 costs more
+        ctx.gamma, ctx.rows_per_block, ctx.kept = gamma, rows_per_block, kept
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        q, k, v, y, log_normaliser = ctx.saved_tensors
+        q, k, v, y = ctx.saved_tensors
         gamma, scale, n = ctx.gamma, 1 / math.sqrt(q.size(-1)), q.size(-2)
         keys, mixed = k.to(y.dtype), torch.lerp(v.to(y.dtype), y, gamma)
         grad_q, grad_keys = torch.empty_like(q), torch.zeros_like(keys)
@@ -434,13 +432,13 @@ class BlockedChaCAL(torch.autograd.Function):
         for start in reversed(range(0, n, ctx.rows_per_block)):
             stop = min(start + ctx.rows_per_block, n)
             q_block = q[..., start:stop, :].to(y.dtype)                     # (B, nh, n, hs)
-            A, _ = block_weights(q_block, keys[..., :stop, :], log_normaliser[..., start:stop, :])
+            A = ctx.kept.pop() if ctx.kept else block_weights(q_block, keys[..., :stop, :])
             own, grad_own = A[..., start:], grad_mixed[..., start:stop, :]
             R = torch.linalg.solve_triangular(-gamma * own.transpose(-2, -1),
                                               grad_y[..., start:stop, :] + gamma * grad_own,
                                               upper=True, unitriangular=True)  # (B, nh, n, hs)
-            grad_own.add_(own.transpose(-2, -1) @ R).mul_(1 - gamma)       # dV_b, in place
-            grad_mixed[..., :start, :] += A[..., :start].transpose(-2, -1) @ R
+            grad_mixed[..., :stop, :] += A.transpose(-2, -1) @ R           # dM, earlier rows too
+            grad_own.mul_(1 - gamma)                                         # dV_b, in place
             grad_A = R @ mixed[..., :stop, :].transpose(-2, -1)             # (B, nh, n, stop)
             R_dot_y = (R * y[..., start:stop, :]).sum(dim=-1, keepdim=True)  # Σ_j A_tj dA_tj
             grad_A[..., start:].diagonal(dim1=-2, dim2=-1).sub_(gamma * R_dot_y[..., 0])

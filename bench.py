@@ -169,23 +169,23 @@ def long_sequences(lengths, size, dtype, device, repeats, fresh=True):
                       {"blk/std": ("blocked", "standard"), "blk/one": ("blocked", "one-solve")},
                       device, min(repeats, 3), stat=min, mib=fresh_peak if fresh else None)
     if 4096 in results:
-        (t_std, m_std), (t_one, m_one), (t_blk, m_blk) = results[4096].values()
-        target("blocked ChaCAL peak memory / standard at T = 4096", m_blk / m_std, "<=", 2)
-        target("blocked ChaCAL peak memory / one-solve ChaCAL at T = 4096", m_blk / m_one, "<=", 0.1)
-        target("blocked ChaCAL time / standard at T = 4096 (a CPU target)", t_blk / t_std, "<=", 4,
-               judged_here=device == "cpu")
+        (t_std, m_std), _, (t_blk, m_blk) = results[4096].values()
+        target("blocked ChaCAL peak memory / standard at T = 4096", m_blk / m_std, "<=", 1.3)
+        target("blocked ChaCAL time / standard at T = 4096 (CPU)", t_blk / t_std, "<=", 1.6, device == "cpu")
+    if 8192 in results and device == "cuda":  # the blocked path's loop of small solves on a GPU
+        (_, _), (t_one, _), (t_blk, _) = results[8192].values()
+        target("blocked / one-solve ChaCAL time at T = 8192", t_blk / t_one, "<=", 1.5)
     return results
 
 
-# "full" (CUDA): the ChaCAL paper's toy size, d 512, 8 heads, 128 x 128 tokens; "small": train.py's
-# default, d 128. T: tables 1-2 (T[0]: the toy task's); dilated_T: parity's train and test lengths.
+# "full" (CUDA): the ChaCAL paper's toy size (d 512, 8 heads, 128 x 128 tokens); "small": train.py's d 128.
 SIZES = {
     "full": dict(T=[128, 512, 1024, 2048, 4096], tokens=128 * 128, size=dict(n_embd=512, n_head=8),
                  decode_T=[128, 512, 1024, 2048], decode_batch=8, lego_T=512, dilated_T=[40, 500, 2048],
                  long_T=[512, 1024, 2048, 4096, 8192], short_T=[32, 64, 128, 192, 256, 512], repeats=10),
     "small": dict(T=[128, 256, 512], tokens=64 * 128, size=dict(n_embd=128, n_head=4),
                   decode_T=[128, 256], decode_batch=4, lego_T=128, dilated_T=[40, 500],
-                  long_T=[512, 1024, 2048, 4096], short_T=[32, 64, 128, 192, 256, 512], repeats=3),
+                  long_T=[512, 1024, 2048, 4096], short_T=[32, 64, 128, 192, 256, 512], repeats=5),
 }
 
 
@@ -194,7 +194,7 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
     parser.add_argument("--small", action="store_true", help="the small sizes even on a GPU")
     parser.add_argument("--repeats", type=number(int, 1), help="timed runs per figure (default: 10 "
-                        "full, 3 small), of which a table shows the median, or the fastest")
+                        "full, 5 small), of which a table shows the fastest (tables 4-5: the median)")
     parser.add_argument("--long_only", action="store_true", help="only tables 6 and 6b")
     args = parser.parse_args(argv)
     device = pick_device(args.device)
@@ -209,22 +209,22 @@ def main(argv=None):
           f"of {size['n_embd'] // size['n_head']}, {tokens} tokens per batch, {repeats} runs per figure")
     core = lambda path, T: core_step(path, T, **on)
     if not args.long_only:
-        compare(f"1. attention core, forward + backward (standard: fused SDPA in {str(dtype)[6:]}; auto: "
+        compare(f"1. attention core, forward + backward, fastest run (standard: fused SDPA in {str(dtype)[6:]}; auto: "
                 "ChaCAL's automatic path)", lengths, ["standard", "auto"], core,
-                {"auto/std": ("auto", "standard")}, device, repeats)
-        steps = compare("2. one-layer model, training step (forward, backward, AdamW)", lengths,
+                {"auto/std": ("auto", "standard")}, device, repeats, stat=min)
+        steps = compare("2. one-layer model, training step (forward, backward, AdamW; fastest run)", lengths,
                         ["standard", "chacal"], lambda attn, T: training_step(attn, T, **on),
-                        {"cha/std": ("chacal", "standard")}, device, repeats)
-        (t_std, _), (t_cha, _) = steps[lengths[0]].values()
-        target(f"ChaCAL training step / standard at T = {lengths[0]}" + ("" if full else " (a GPU target: "
-               "the toy size, d 512, bf16)"), t_cha / t_std, "<=", 1.35, judged_here=full)
+                        {"cha/std": ("chacal", "standard")}, device, repeats, stat=min)
+        for T, goal in [(lengths[0], 1.20)] if full else [(lengths[0], 1.25), (lengths[-1], 1.20)]:
+            target(f"ChaCAL training step / standard at T = {T}", steps[T]["chacal"][0] / steps[T]["standard"][0],
+                   "<=", goal)
         decoded = compare(f"3. decoding at batch {B}, one layer, after a 1-token prompt (fastest run)",
                           s["decode_T"], ["standard", "chacal", "re-solve"], lambda way, T: decoding(
                               way.replace("re-solve", "chacal"), T, B, size, dtype, device, way != "re-solve"),
                           {"cha/std": ("chacal", "standard"), "res/std": ("re-solve", "standard")},
-                          device, min(repeats, 3), stat=min, rate=lambda T, seconds: B * (T - 1) / seconds)
+                          device, repeats, stat=min, rate=lambda T, seconds: B * (T - 1) / seconds)
         worst = min(row["standard"][0] / row["chacal"][0] for row in decoded.values())
-        target("ChaCAL cached decoding tokens/s / standard (worst length)", worst, ">=", 0.9)
+        target("ChaCAL cached decoding tokens/s / standard (worst length)", worst, ">=", 0.97)
         T, lego, attns = s["lego_T"], dict(causal=False, broadcast_ids=(0, 1)), ["standard", "lego_v0", "lego_v1"]
         runs = in_turns([training_step(attn, T, **on, **lego) for attn in attns], device, repeats)
         got = [(*count_step(attn, T, tokens, size, **lego), median(seconds)) for attn, (seconds, _) in zip(attns, runs)]
@@ -241,7 +241,7 @@ def main(argv=None):
     long_sequences(s["long_T"], size, dtype, device, repeats)
     auto = compare("6b. ChaCAL's automatic path vs its two paths, forward + backward (fastest run)",
                    s["short_T"], ["one-solve", "blocked", "auto"], core,
-                   {"auto/one": ("auto", "one-solve"), "auto/blk": ("auto", "blocked")}, device, repeats, stat=min)
+                   {"auto/one": ("auto", "one-solve"), "auto/blk": ("auto", "blocked")}, device, 3 * repeats, stat=min)
     worst = max(row["auto"][0] / min(row["one-solve"][0], row["blocked"][0]) for row in auto.values())
     target("ChaCAL automatic path time / the faster of its paths (worst T)", worst, "<=", 1.1)
 
