@@ -83,10 +83,9 @@ def train_plan(plan, jobs=1, slowest_first=None):
     order; trained `jobs` at a time, ordered by slowest_first(key) (the last ones end together)."""
     keys = sorted(plan, key=slowest_first) if slowest_first else list(plan)
     argvs = [[*(plan[k].split() if isinstance(plan[k], str) else plan[k]), "--no-progress"] for k in keys]
-    argvs = [reuse_if_saved(a) for a in argvs] if REUSE else argvs  # so that TAKEN counts them
     started = time.time()
     runs = dict(zip(keys, train_many(argvs, jobs)))
-    TAKEN.extend(run for argv, run in zip(argvs, runs.values()) if "--resume" in argv)
+    TAKEN.extend(run for run in runs.values() if run["resumed_train_time"])  # taken as saved, or continued
     print(f"{len(runs)} runs, {jobs} at a time, in {time.time() - started:.0f} s")
     return {k: runs[k] for k in plan}
 
