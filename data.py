@@ -1234,27 +1234,29 @@ CYCLE_WORDS = ["<pad>", ">", ";", "?", ":", "#", "0", "1", "."]
 
 
 class Cycles(Task):
-    """Two directed cycles of n nodes, or one of 2n: is B reachable from A? (Abbe et al. 2024).
+    """Is B reachable from A? One directed cycle of 2n nodes, or two (Abbe et al. 2024).
 
-    The edges `vX > vY ;` in shuffled order, then the query `vA ? vB ;`: B is `distance` steps
-    ahead of A (default n) on one cycle, or a node of the other cycle. The answer is `1 .` or
-    `0 .`, balanced in every batch; node names are drawn afresh for each graph. The length of
-    the walk from A until B or A again is each label's chain depth. n = 3, one 6-cycle:
+    The edges `vX > vY ;` in shuffled order, then the query `vA ? vB ;`. B is d = `distance`
+    steps ahead of A on one 2n-cycle, or heads the other cycle when A's has d nodes (two n-cycles
+    by default): both labels walk d steps, so a test at a larger d tests longer walks (the
+    paper's out-of-distribution protocol). The answer `1 .` or `0 .`, balanced; names fresh:
 
-        prompt     v46 > v39 ; v77 > v46 ; v28 > v54 ; v54 > v58 ; v58 > v77 ; v39 > v28 ;
-                   v54 ? v46 ;
+        prompt     v46 > v39 ; v77 > v46 ; v39 > v28 ; v28 > v54 ; v58 > v77 ; v54 > v58 ;
+                   v39 ? v58 ;
         none       1 .
-        full       v54 > v58 > v77 > v46 ; 1 .
-        inductive  : v58 # v77 # v46 # 1 .
+        full       v39 > v28 > v54 > v58 ; 1 .
+        inductive  : v39 # v28 # v54 # v58 ; 1 .
 
     "full" writes the walk first, each step with every earlier one in view; "inductive" writes
-    the states of the scratchpad above (copies unscored; layout(x) gives positions and groups).
+    one state per node, A first and `;` after the last, as the paper's public code does: the
+    first step is then like every other (a node in, its successor out), and the stop is a token
+    decided from the state just written (copies unscored; layout(x) gives positions and groups).
     """
 
     needs = frozenset({"causal", "generation"})
     stop_token = CYCLE_STOP
     flags = {"cycle_n": dict(type=int, help="cycles: nodes per cycle n (5)"),
-             "cycle_distance": dict(type=int, help="cycles: steps from A to B, 1..2n-1 (n)"),
+             "cycle_distance": dict(type=int, help="cycles: walk length d, 1..2n-1 (n)"),
              "test_cycle_n": dict(type=int, help="cycles: n of the test split (cycle_n)"),
              "test_cycle_distance": dict(type=int, help="cycles: the test split's distance"),
              "scratchpad": dict(choices=["none", "full", "inductive"], help="cycles: the answer "
@@ -1290,24 +1292,20 @@ class Cycles(Task):
 
     def _length(self, n, distance):
         """The longest row of a split: 2n edges, the query, ":", the longest walk, the answer."""
-        steps = max(n, distance)
-        return 8 * n + 4 + len(self.start) + {"none": 2, "full": 2 * steps + 4,
-                                              "inductive": 4 * steps + 2}[self.scratchpad]
+        return 8 * n + 4 + len(self.start) + {"none": 2, "full": 2 * distance + 4,
+                                              "inductive": 4 * distance + 4}[self.scratchpad]
 
     def _prompt(self, n, distance, connected, generator):
         """Token ids of one graph and its query (and ":" for the inductive scratchpad)."""
         names = torch.randperm(self.n_names, generator=generator)[:2 * n] + len(CYCLE_WORDS)
-        names = names.tolist()
-        if connected:  # one 2n-cycle: names[0] -> names[1] -> ... -> names[2n-1] -> names[0]
-            successor = {names[i]: names[(i + 1) % (2 * n)] for i in range(2 * n)}
-        else:          # two n-cycles, names[:n] and names[n:]
-            successor = {names[c + i]: names[c + (i + 1) % n] for c in (0, n) for i in range(n)}
-        a = int(torch.randint(n, (), generator=generator))
-        b = names[(a + distance) % (2 * n)] if connected else names[n]
+        names = names.tolist()  # A is names[0] and B names[distance], on A's cycle or not
+        sizes = [2 * n] if connected else [distance, 2 * n - distance]
+        successor = {names[c + i]: names[c + (i + 1) % size]
+                     for c, size in zip([0, sizes[0]], sizes) for i in range(size)}
         order = torch.randperm(2 * n, generator=generator).tolist()
         edges = [token for i in order
                  for token in (names[i], CYCLE_EDGE, successor[names[i]], CYCLE_END)]
-        return edges + [names[a], CYCLE_QUERY, b, CYCLE_END] + self.start
+        return edges + [names[0], CYCLE_QUERY, names[distance], CYCLE_END] + self.start
 
     @staticmethod
     def graph_and_query(prompt):
@@ -1337,7 +1335,9 @@ class Cycles(Task):
             a = prompt[prompt.index(CYCLE_QUERY) - 1]
             walk = [token for node in [a] + nodes for token in (node, CYCLE_EDGE)][:-1]
             return walk + [CYCLE_END] + answer
-        return [token for node in nodes for token in (node, CYCLE_SEP)] + answer
+        states = [prompt[prompt.index(CYCLE_QUERY) - 1]] + nodes  # A, then each step's node
+        return [token for node in states[:-1] for token in (node, CYCLE_SEP)] + [
+            states[-1], CYCLE_END] + answer
 
     def _rows(self, prompts, score_question=False):
         """(x, y) of prompts completed (in the training form if inductive), padded on the right."""

@@ -115,8 +115,9 @@ SETTINGS = [dict(cycle_n=2), dict(cycle_n=5, cycle_distance=3), dict(cycle_n=3, 
 
 def expected_completion(words, scratchpad, n, distance):
     """The words after a cycles prompt, from its text alone: walk the edges from A by hand, and
-    check the graph is what the task promises (two n-cycles, or one 2n-cycle with B `distance`
-    steps ahead of A). Inductive rows are in the training form: each closed state twice."""
+    check the graph is what the task promises (a 2n-cycle with B `distance` steps ahead of A, or
+    A on a cycle of `distance` nodes and B on the other). Inductive rows are in the training
+    form: each closed state twice."""
     query = words.index("?")
     successor = dict(zip(words[0:query - 1:4], words[2:query - 1:4]))
     a, b = words[query - 1], words[query + 1]
@@ -124,7 +125,8 @@ def expected_completion(words, scratchpad, n, distance):
     while len(walk) == 1 or walk[-1] != a:
         walk.append(successor[walk[-1]])
     connected = b in walk
-    assert len(successor) == 2 * n and len(walk) - 1 == (2 * n if connected else n)
+    assert len(successor) == 2 * n and sorted(successor.values()) == sorted(successor)
+    assert len(walk) - 1 == (2 * n if connected else distance)
     if connected:
         assert walk.index(b) == distance
         walk = walk[:distance + 1]
@@ -133,14 +135,19 @@ def expected_completion(words, scratchpad, n, distance):
         return answer
     if scratchpad == "full":
         return " > ".join(walk).split() + [";"] + answer
-    return [word for node in walk[1:] for word in (node, "#", node, "#")] + answer
+    return [word for node in walk[:-1] for word in (node, "#", node, "#")] + [walk[-1], ";"] + answer
+
+
+def plain_form(completion):
+    """An inductive completion without its copies: what generation writes."""
+    return [w for i, w in enumerate(completion) if not (i < len(completion) - 4 and i % 4 >= 2)]
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "full", "inductive"])
 @pytest.mark.parametrize("options", SETTINGS)
 def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scratchpad):
     """y scores exactly the next word outside the prompt, the copies of states and the padding;
-    the chain depth of a scored word is the walk's length: `distance` to B, or n back to A."""
+    the chain depth of a scored word is the walk's length, `distance` for both labels."""
     task = get_task("cycles", scratchpad=scratchpad, **options)
     longest = 0
     for split in ("train", "test"):
@@ -155,15 +162,14 @@ def test_cycles_rows_and_labels_equal_a_walk_by_hand_of_their_text(options, scra
             n_prompt = words.index("?") + 3 + (scratchpad == "inductive")  # ... ; then ":"
             completion = expected_completion(words, scratchpad, n, distance)
             answers.append(completion[-2])
-            walked = distance if completion[-2] == "1" else n
             end = n_prompt + len(completion)
             assert words[n_prompt:end] == completion and set(words[end:]) <= {"<pad>"}
             for t in range(len(row)):
-                copy = (scratchpad == "inductive" and 0 < t + 1 - n_prompt < len(completion) - 2
+                copy = (scratchpad == "inductive" and 0 <= t + 1 - n_prompt < len(completion) - 4
                         and (t + 1 - n_prompt) % 4 >= 2)  # the second "node #" of each 4
                 should = n_prompt - 1 <= t < end - 1 and not copy
                 assert (labels[t] != -1) == should and (not should or labels[t] == row[t + 1]), (words, t)
-                assert depths[t] == (walked if should else -1)
+                assert depths[t] == (distance if should else -1)
         assert answers.count("1") == answers.count("0")  # balanced
     assert task.block_size >= longest
 
@@ -206,12 +212,14 @@ class MaskedWalker(torch.nn.Module):
         q = question.index("?")
         successor = dict(zip(question[0:q - 1:4], question[2:q - 1:4]))
         a, b = question[q - 1], question[q + 1]
-        if not state:
-            return successor[a]
-        if len(state) in (1, 3):
-            return "." if state[-1] in ("0", "1") else "#"
+        if len(state) in (0, 1):  # the first state: A
+            return [a, "#"][len(state)]
         if len(state) == 2 and state[1] == "#":  # the previous state: one step on
-            return "1" if state[0] == b else "0" if state[0] == a else successor[state[0]]
+            return successor[state[0]]
+        if len(state) == 3:
+            return ";" if state[2] in (a, b) else "#"
+        if len(state) in (4, 5) and state[3] == ";":
+            return "." if len(state) == 5 else "1" if state[2] == b else "0"
         return "<pad>"
 
     def forward(self, tokens, targets=None, caches=None, positions=None, groups=None):
@@ -232,10 +240,9 @@ def test_inductive_generation_under_the_masks_walks_the_graph_one_state_at_a_tim
     out = task.generate(MaskedWalker(task), prompts, 12, use_cache=False)
     for prompt, row in zip(prompts.tolist(), out.tolist()):
         words = [task.vocab[i] for i in prompt]
-        answer = expected_completion(words[:-1], "none", *task.sizes["train"])
-        states = expected_completion(words[:-1], "inductive", *task.sizes["train"])[:-2:4]
         written = [task.vocab[i] for i in row[len(prompt):]]
-        assert written[:written.index(".") + 1] == [w for s in states for w in (s, "#")] + answer
+        form = expected_completion(words[:-1], "inductive", *task.sizes["train"])
+        assert written[:written.index(".") + 1] == plain_form(form)
 
 
 @pytest.mark.parametrize("scratchpad", ["none", "inductive"])
