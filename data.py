@@ -1331,12 +1331,9 @@ class Cycles(Task):
         answer = [CYCLE_YES if connected else CYCLE_NO, CYCLE_STOP]
         if self.scratchpad == "none":
             return answer
-        if self.scratchpad == "full":
-            a = prompt[prompt.index(CYCLE_QUERY) - 1]
-            walk = [token for node in [a] + nodes for token in (node, CYCLE_EDGE)][:-1]
-            return walk + [CYCLE_END] + answer
         states = [prompt[prompt.index(CYCLE_QUERY) - 1]] + nodes  # A, then each step's node
-        return [token for node in states[:-1] for token in (node, CYCLE_SEP)] + [
+        sep = CYCLE_EDGE if self.scratchpad == "full" else CYCLE_SEP  # `>` or `#` between them
+        return [token for node in states[:-1] for token in (node, sep)] + [
             states[-1], CYCLE_END] + answer
 
     def _rows(self, prompts, score_question=False):
