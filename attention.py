@@ -152,8 +152,7 @@ class ChaCALAttention(StandardAttention):
         if (self.causal and visible is None and past_k is None and not self.keep_diagonal
                 and q.device.type == "cpu" and q.size(-2) >= CHACAL_BLOCKED_FROM):
             return blocked_chacal_attention(q, k, v, self.gamma)
-        return chacal_attention(q, k, v, self.gamma, past_k, past_mixed, self.causal, visible,
-                                self.keep_diagonal)
+        return chacal_attention(q, k, v, self.gamma, past_k, past_mixed, self.causal, visible, self.keep_diagonal)
 
     def attention_map(self, q, k, token_ids, depth):
         """(1-γ)(I - γA')⁻¹A, every path's weight summed: the solve against V = I."""
@@ -387,14 +386,17 @@ def blocked_chacal_attention(q, k, v, gamma, rows_per_block=CHACAL_ROWS_PER_BLOC
         return BlockedChaCAL.apply(q, k, v, gamma, rows_per_block, dtype)
 
 
-def block_weights(q_block, keys):
-    """A (B, nh, n, n_keys) for n queries, the last of the keys: their causal softmax."""
-    scores = (q_block / math.sqrt(q_block.size(-1))) @ keys.transpose(-2, -1)  # (B, nh, n, n_keys)
-    n = q_block.size(-2)
+def in_front(buffer, *shape):  # reused by every block: a fresh (n, T) tensor's page faults cost more than it
+    return buffer[:math.prod(shape)].view(shape)
+
+
+def block_weights(q_block, keys, buffer):
+    """A (B, nh, n, n_keys) for n queries, the last of the keys: their causal softmax, in buffer."""
+    n, scale = q_block.size(-2), 1 / math.sqrt(q_block.size(-1))
+    scores = torch.matmul(q_block * scale, keys.mT, out=in_front(buffer, *keys.shape[:-2], n, keys.size(-2)))
     future = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
     scores[..., -n:].masked_fill_(future, float("-inf"))  # only the last n columns hold a future
-    scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # the softmax in place: one n x n_keys buffer
-    return scores.div_(scores.sum(dim=-1, keepdim=True))
+    return torch.softmax(scores, dim=-1, out=scores)  # fused and in place
 
 
 class BlockedChaCAL(torch.autograd.Function):
@@ -403,20 +405,20 @@ class BlockedChaCAL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gamma, rows_per_block, dtype):
-        keys, n = k.to(dtype), q.size(-2)
+        keys, n = k.to(dtype).contiguous(), q.size(-2)
         mixed = keys.new_empty(*keys.shape[:-1], v.size(-1))  # v's width: attention_map solves I
         y = v.new_empty(v.shape, dtype=dtype)                               # (B, nh, T, hs)
         kept = [] if n <= CHACAL_KEEP_WEIGHTS_UP_TO and any(ctx.needs_input_grad) else None
+        buffer = keys.new_empty(keys[..., 0].numel() * rows_per_block)
         for start in range(0, n, rows_per_block):
             stop = min(start + rows_per_block, n)
             mixed[..., start:stop, :] = v[..., start:stop, :].to(dtype) * (1 - gamma)  # own: (1-γ)v
-            A = block_weights(q[..., start:stop, :].to(dtype), keys[..., :stop, :])
-            y_b = torch.linalg.solve_triangular(A[..., start:] * -gamma, A @ mixed[..., :stop, :],
-                                                upper=False, unitriangular=True)
-            y[..., start:stop, :] = y_b
+            A = block_weights(q[..., start:stop, :].to(dtype), keys[..., :stop, :], buffer)
+            y[..., start:stop, :] = y_b = torch.linalg.solve_triangular(
+                A[..., start:] * -gamma, A @ mixed[..., :stop, :], upper=False, unitriangular=True)
             mixed[..., start:stop, :].add_(y_b, alpha=gamma)  # m = (1-γ)v + γy
-            if kept is not None:
-                kept.append(A)
+            if kept is not None:  # A itself lives in the buffer the next block overwrites
+                kept.append(A.clone())
         ctx.save_for_backward(q, k, v, y)  # q, k, v as given: float32 costs more
         ctx.gamma, ctx.rows_per_block, ctx.kept = gamma, rows_per_block, kept
         return y
@@ -426,23 +428,23 @@ class BlockedChaCAL(torch.autograd.Function):
     def backward(ctx, grad_y):
         q, k, v, y = ctx.saved_tensors
         gamma, scale, n = ctx.gamma, 1 / math.sqrt(q.size(-1)), q.size(-2)
-        keys, mixed = k.to(y.dtype), torch.lerp(v.to(y.dtype), y, gamma)
-        grad_q, grad_keys = torch.empty_like(q), torch.zeros_like(keys)
+        keys, mixed = k.to(y.dtype).contiguous(), torch.lerp(v.to(y.dtype), y, gamma).contiguous()
+        grad_q, grad_keys = torch.empty_like(q), torch.zeros_like(keys)  # contiguous, as keys: flatten is a view
         grad_mixed = torch.zeros_like(mixed)  # dM; a finished block's own rows then hold its dV
+        weights, grads = (keys.new_empty(keys[..., 0].numel() * ctx.rows_per_block) for _ in range(2))
         for start in reversed(range(0, n, ctx.rows_per_block)):
             stop = min(start + ctx.rows_per_block, n)
             q_block = q[..., start:stop, :].to(y.dtype)                     # (B, nh, n, hs)
-            A = ctx.kept.pop() if ctx.kept else block_weights(q_block, keys[..., :stop, :])
+            A = ctx.kept.pop() if ctx.kept else block_weights(q_block, keys[..., :stop, :], weights)
             own, grad_own = A[..., start:], grad_mixed[..., start:stop, :]
-            R = torch.linalg.solve_triangular(-gamma * own.transpose(-2, -1),
-                                              grad_y[..., start:stop, :] + gamma * grad_own,
+            R = torch.linalg.solve_triangular(-gamma * own.mT, grad_y[..., start:stop, :] + gamma * grad_own,
                                               upper=True, unitriangular=True)  # (B, nh, n, hs)
-            grad_mixed[..., :stop, :] += A.transpose(-2, -1) @ R           # dM, earlier rows too
+            grad_mixed.flatten(0, -3)[:, :stop].baddbmm_(A.flatten(0, -3).mT, R.flatten(0, -3))  # dM, earlier rows
             grad_own.mul_(1 - gamma)                                         # dV_b, in place
-            grad_A = R @ mixed[..., :stop, :].transpose(-2, -1)             # (B, nh, n, stop)
+            grad_A = torch.matmul(R, mixed[..., :stop, :].mT, out=in_front(grads, *A.shape))
             R_dot_y = (R * y[..., start:stop, :]).sum(dim=-1, keepdim=True)  # Σ_j A_tj dA_tj
             grad_A[..., start:].diagonal(dim1=-2, dim2=-1).sub_(gamma * R_dot_y[..., 0])
             grad_scores = grad_A.sub_(R_dot_y).mul_(A)  # softmax backward, A ⊙ (dA - rowsum)
             grad_q[..., start:stop, :] = grad_scores @ keys[..., :stop, :] * scale
-            grad_keys[..., :stop, :] += grad_scores.transpose(-2, -1) @ (q_block * scale)
+            grad_keys.flatten(0, -3)[:, :stop].baddbmm_(grad_scores.flatten(0, -3).mT, q_block.flatten(0, -3), alpha=scale)
         return grad_q, grad_keys, grad_mixed, None, None, None

@@ -151,7 +151,7 @@ def count_step(attn, T, tokens, size, **options):
 
 
 def long_sequences(lengths, size, dtype, device, repeats, fresh=True):
-    """Table 6, {T: {path: (seconds, MiB)}}: the fastest of min(repeats, 3) forward + backward runs
+    """Table 6, {T: {path: (seconds, MiB)}}: the fastest of `repeats` forward + backward runs
     of each of LONG_PATHS on one sequence, its peak MiB in a fresh process (fresh=False: this one)."""
     def fresh_peak(path, T):  # in_turns' peak in a process where no earlier case's memory counts
         code = (f"import bench, torch; print(bench.in_turns([bench.core_step({path!r}, {T}, 1, "
@@ -167,7 +167,7 @@ def long_sequences(lengths, size, dtype, device, repeats, fresh=True):
                       f"fastest run (blocked: {CHACAL_ROWS_PER_BLOCK} rows a block)", lengths,
                       LONG_PATHS, lambda path, T: core_step(path, T, 1, size, dtype, device),
                       {"blk/std": ("blocked", "standard"), "blk/one": ("blocked", "one-solve")},
-                      device, min(repeats, 3), stat=min, mib=fresh_peak if fresh else None)
+                      device, repeats, stat=min, mib=fresh_peak if fresh else None)
     if 4096 in results:
         (t_std, m_std), _, (t_blk, m_blk) = results[4096].values()
         target("blocked ChaCAL peak memory / standard at T = 4096", m_blk / m_std, "<=", 1.3)
