@@ -386,14 +386,12 @@ def blocked_chacal_attention(q, k, v, gamma, rows_per_block=CHACAL_ROWS_PER_BLOC
         return BlockedChaCAL.apply(q, k, v, gamma, rows_per_block, dtype)
 
 
-def in_front(buffer, *shape):  # reused by every block: a fresh (n, T) tensor's page faults cost more than it
-    return buffer[:math.prod(shape)].view(shape)
-
-
 def block_weights(q_block, keys, buffer):
-    """A (B, nh, n, n_keys) for n queries, the last of the keys: their causal softmax, in buffer."""
+    """A (B, nh, n, n_keys) for n queries, the last of the keys: their causal softmax (in buffer's front)."""
     n, scale = q_block.size(-2), 1 / math.sqrt(q_block.size(-1))
-    scores = torch.matmul(q_block * scale, keys.mT, out=in_front(buffer, *keys.shape[:-2], n, keys.size(-2)))
+    shape = (*keys.shape[:-2], n, keys.size(-2))                          # (B, nh, n, n_keys)
+    out = None if buffer is None else buffer[:math.prod(shape)].view(shape)
+    scores = torch.matmul(q_block * scale, keys.mT, out=out)
     future = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
     scores[..., -n:].masked_fill_(future, float("-inf"))  # only the last n columns hold a future
     return torch.softmax(scores, dim=-1, out=scores)  # fused and in place
@@ -409,7 +407,8 @@ class BlockedChaCAL(torch.autograd.Function):
         mixed = keys.new_empty(*keys.shape[:-1], v.size(-1))  # v's width: attention_map solves I
         y = v.new_empty(v.shape, dtype=dtype)                               # (B, nh, T, hs)
         kept = [] if n <= CHACAL_KEEP_WEIGHTS_UP_TO and any(ctx.needs_input_grad) else None
-        buffer = keys.new_empty(keys[..., 0].numel() * rows_per_block)
+        # Unless kept, every block's A shares one buffer: a fresh (n, T) tensor's page faults cost more than its block.
+        buffer = None if kept is not None else keys.new_empty(keys[..., 0].numel() * rows_per_block)
         for start in range(0, n, rows_per_block):
             stop = min(start + rows_per_block, n)
             mixed[..., start:stop, :] = v[..., start:stop, :].to(dtype) * (1 - gamma)  # own: (1-γ)v
@@ -417,8 +416,8 @@ class BlockedChaCAL(torch.autograd.Function):
             y[..., start:stop, :] = y_b = torch.linalg.solve_triangular(
                 A[..., start:] * -gamma, A @ mixed[..., :stop, :], upper=False, unitriangular=True)
             mixed[..., start:stop, :].add_(y_b, alpha=gamma)  # m = (1-γ)v + γy
-            if kept is not None:  # A itself lives in the buffer the next block overwrites
-                kept.append(A.clone())
+            if kept is not None:
+                kept.append(A)
         ctx.save_for_backward(q, k, v, y)  # q, k, v as given: float32 costs more
         ctx.gamma, ctx.rows_per_block, ctx.kept = gamma, rows_per_block, kept
         return y
@@ -441,10 +440,11 @@ class BlockedChaCAL(torch.autograd.Function):
                                               upper=True, unitriangular=True)  # (B, nh, n, hs)
             grad_mixed.flatten(0, -3)[:, :stop].baddbmm_(A.flatten(0, -3).mT, R.flatten(0, -3))  # dM, earlier rows
             grad_own.mul_(1 - gamma)                                         # dV_b, in place
-            grad_A = torch.matmul(R, mixed[..., :stop, :].mT, out=in_front(grads, *A.shape))
+            grad_A = torch.matmul(R, mixed[..., :stop, :].mT, out=grads[:A.numel()].view(A.shape))
             R_dot_y = (R * y[..., start:stop, :]).sum(dim=-1, keepdim=True)  # Σ_j A_tj dA_tj
             grad_A[..., start:].diagonal(dim1=-2, dim2=-1).sub_(gamma * R_dot_y[..., 0])
             grad_scores = grad_A.sub_(R_dot_y).mul_(A)  # softmax backward, A ⊙ (dA - rowsum)
             grad_q[..., start:stop, :] = grad_scores @ keys[..., :stop, :] * scale
-            grad_keys.flatten(0, -3)[:, :stop].baddbmm_(grad_scores.flatten(0, -3).mT, q_block.flatten(0, -3), alpha=scale)
+            grad_keys.flatten(0, -3)[:, :stop].baddbmm_(grad_scores.flatten(0, -3).mT, q_block.flatten(0, -3),
+                                                        alpha=scale)
         return grad_q, grad_keys, grad_mixed, None, None, None
